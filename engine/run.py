@@ -1,0 +1,127 @@
+"""Command line: `python -m engine.run "your prompt"` (SmolLM2-135M-Instruct, no flags needed)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .loader import DEFAULT_MODEL, REGISTRY, ModelNotFoundError
+from .llm import DTYPES, LLM, METHODS
+from .scheduler import SamplingParams
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m engine.run", description=__doc__)
+    p.add_argument("prompt", nargs="*", help="user message(s); each is put through the chat template")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"{', '.join(REGISTRY)}, a HF checkpoint directory or a .gguf file")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--method", default=None, help="decoding method (default: the best available)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts-file", help="JSONL: one prompt per line, a string or {\"prompt\": ...}")
+    p.add_argument("--json", action="store_true", help="no streaming; one JSON object per prompt")
+    p.add_argument("--raw", action="store_true", help="skip the chat template")
+    p.add_argument("--kv-cache-gb", type=float, default=0.5, help="memory budget of the paged KV cache")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    for flag, kw in METHOD_FLAGS:
+        p.add_argument(flag, **kw)
+    return p.parse_args(argv)
+
+
+# Flags the speculative methods read from `method_args` (unset ones keep each method's default).
+METHOD_FLAGS = [
+    ("--draft", dict(default=None, help="sps draft: a model name/path or early-exit:N")),
+    ("--draft-len", dict(type=int, default=None, help="sps: draft chain length k")),
+    ("--head", dict(default=None, help="eagle/eagle3 head checkpoint directory")),
+    ("--tree", dict(default=None, help="eagle: 'dynamic' (EAGLE-2) or 'static' (EAGLE-1 tree)")),
+    ("--depth", dict(type=int, default=None, help="dynamic tree depth D")),
+    ("--topk", dict(type=int, default=None, help="dynamic tree top-k K")),
+    ("--tree-tokens", dict(type=int, default=None, help="dynamic tree: total verified tokens M")),
+]
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{args.prompts_file}:{n}: not JSON ({e.msg})") from None
+                if isinstance(item, dict):
+                    item = item.get("prompt")
+                if not isinstance(item, str):
+                    raise ValueError(f"{args.prompts_file}:{n}: expected a string or {{\"prompt\": str}}")
+                prompts.append(item)
+    if not prompts:
+        raise ValueError("no prompt given (pass a prompt or --prompts-file)")
+    return prompts
+
+
+class Streamer:
+    """Prints a single sequence's text as it grows (decoding the whole output keeps multi-token
+    characters intact)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.printed = tokenizer, ""
+
+    def __call__(self, seq, _new):
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        if text.startswith(self.printed):
+            sys.stdout.write(text[len(self.printed):])
+            sys.stdout.flush()
+            self.printed = text
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens).validate()
+        prompts = read_prompts(args)
+        method_args = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+                       for flag, _ in METHOD_FLAGS}
+        llm = LLM(args.model, args.dtype, kv_cache_gb=args.kv_cache_gb, block_size=args.block_size,
+                  max_batch=args.max_batch, seed=args.seed, method=args.method or default_method(),
+                  method_args={k: v for k, v in method_args.items() if v is not None}, threads=args.threads)
+        ids = [llm.chat_ids(p, args.raw) for p in prompts]
+        stream = not args.json and len(prompts) == 1
+        seqs, stats = llm.generate(ids, params, on_tokens=Streamer(llm.tokenizer) if stream else None)
+    except (ModelNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for prompt, seq in zip(prompts, seqs):
+        text = llm.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        if args.json:
+            print(json.dumps({"prompt": prompt, "output_ids": seq.output_ids, "text": text,
+                              "finish_reason": seq.finish_reason, "stats": stats.as_dict()}))
+        elif not stream:
+            print(f"### {prompt}\n{text}\n")
+    if not args.json:
+        print()
+        print(format_stats(stats.as_dict()), file=sys.stderr)
+    return 0
+
+
+def default_method() -> str:
+    return "vanilla"
+
+
+def format_stats(s: dict) -> str:
+    line = (f"[stats] prompt tokens {s['prompt_tokens']}, new tokens {s['new_tokens']}, "
+            f"prefill {s['prefill_tok_s']} tok/s, decode {s['decode_tok_s']} tok/s")
+    if "tau" in s:
+        line += f", tau {s['tau']:.2f}"
+    return line
+
+
+if __name__ == "__main__":
+    sys.exit(main())

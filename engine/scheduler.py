@@ -1,0 +1,130 @@
+"""Requests and the scheduler, in plain Python (no torch): admission, batching, stop conditions, freeing.
+
+Admission reserves the worst case (prompt + max_new_tokens + the speculative lookahead) so a running
+sequence can never hit an exhausted pool mid-generation; blocks are still allocated lazily.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0      # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                # 0 = off
+    max_new_tokens: int = 128
+    ignore_eos: bool = False
+
+    def validate(self):
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None   # "stop" (EOS) or "length"
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch: int, max_model_len: int,
+                 eos_ids: tuple[int, ...], lookahead: int = 0):
+        self.blocks, self.max_batch, self.max_model_len = blocks, max_batch, max_model_len
+        self.eos_ids, self.lookahead = set(eos_ids), lookahead
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._reserved: dict[int, int] = {}
+
+    def _worst_case_blocks(self, seq: Sequence) -> int:
+        tokens = min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.max_model_len) + self.lookahead
+        return self.blocks.blocks_for(tokens)
+
+    def add(self, seq: Sequence):
+        seq.params.validate()
+        if not seq.prompt_ids:
+            raise ValueError("empty prompt")
+        if len(seq.prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(seq.prompt_ids)} tokens; the model's context is "
+                             f"{self.max_model_len} tokens")
+        if self._worst_case_blocks(seq) > self.blocks.num_blocks:
+            raise ValueError(f"request needs {self._worst_case_blocks(seq)} KV blocks, the pool has "
+                             f"{self.blocks.num_blocks} (raise --kv-cache-gb or lower --max-new-tokens)")
+        self.waiting.append(seq)
+
+    def admit(self) -> list[Sequence]:
+        """Move waiting requests into the running batch while their worst case fits; returns them."""
+        admitted = []
+        while self.waiting and len(self.running) < self.max_batch:
+            need = self._worst_case_blocks(self.waiting[0])
+            if sum(self._reserved.values()) + need > self.blocks.num_blocks:
+                break
+            seq = self.waiting.pop(0)
+            self._reserved[seq.seq_id] = need
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def append_tokens(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """Append generated tokens, stopping at EOS / max_new_tokens / context; returns those kept."""
+        kept = []
+        for tok in tokens:
+            seq.output_ids.append(tok)
+            kept.append(tok)
+            if tok in self.eos_ids and not seq.params.ignore_eos:
+                seq.finish_reason = "stop"
+            elif len(seq.output_ids) >= seq.params.max_new_tokens or \
+                    len(seq.all_ids) >= self.max_model_len:
+                seq.finish_reason = "length"
+            if seq.finished:
+                break
+        return kept
+
+    def retire_finished(self) -> list[Sequence]:
+        done = [s for s in self.running if s.finished]
+        for seq in done:
+            self.running.remove(seq)
+            self.blocks.free(seq.seq_id)
+            self._reserved.pop(seq.seq_id, None)
+        return done
+
+    def abort_all(self):
+        """Free everything (an error mid-batch must not leak blocks)."""
+        for seq in self.running:
+            self.blocks.free(seq.seq_id)
+        self.running.clear()
+        self.waiting.clear()
+        self._reserved.clear()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
