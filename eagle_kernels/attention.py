@@ -59,12 +59,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens
 # torch path (CPU, and CUDA without Triton)
 # ----------------------------------------------------------------------------------------------------------
 
-def _gather_kv(cache, blocks, length):
-    """cache: [num_blocks, bs, Hkv, D], blocks: [nblk] -> [Hkv, length, D] (a view when blocks are consecutive)."""
-    nblk = blocks.shape[0]
-    first = int(blocks[0])
-    if nblk == 1 or bool((blocks[1:] - blocks[:-1] == 1).all()):
-        kv = cache[first:first + nblk]
+def _gather_kv(cache, table_row, blocks, length):
+    """cache: [num_blocks, bs, Hkv, D] -> [Hkv, length, D]; a view when the blocks are consecutive.
+
+    table_row: the sequence's block ids as a python list, blocks: the same ids as a tensor.
+    """
+    first = table_row[0]
+    if table_row == list(range(first, first + len(table_row))):
+        kv = cache[first:first + len(table_row)]
     else:
         kv = cache.index_select(0, blocks)
     return kv.flatten(0, 1)[:length].transpose(0, 1)
@@ -89,11 +91,16 @@ def _sequence_mask(prefix, n, tree_rows, device):
     return mask
 
 
+# Padded batched decode copies every sequence's K/V once; past this length (measured on 2 CPU cores,
+# 9 q / 3 kv heads, D = 64) per-sequence SDPA over cache views is faster.
+_BATCHED_DECODE_MAX_LEN = 1024
+
+
 def _paged_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale):
     bs = k_cache.shape[1]
     cu = cu_seqlens_q.tolist()
     prefixes = prefix_lens.tolist()
-    if tree_mask is None and q.shape[0] == len(prefixes) > 1:
+    if tree_mask is None and q.shape[0] == len(prefixes) > 1 and max(prefixes) < _BATCHED_DECODE_MAX_LEN:
         return _decode_batched(q, k_cache, v_cache, block_tables, prefixes, scale)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k_cache.shape[2]
@@ -103,15 +110,17 @@ def _paged_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, pref
         if n == 0:
             continue
         length = prefix + n
-        blocks = block_tables[b, : -(-length // bs)]
-        k = _gather_kv(k_cache, blocks, length)
-        v = _gather_kv(v_cache, blocks, length)
+        nblk = -(-length // bs)
+        row, blocks = block_tables[b, :nblk].tolist(), block_tables[b, :nblk]
+        k = _gather_kv(k_cache, row, blocks, length)
+        v = _gather_kv(v_cache, row, blocks, length)
         rows = None if tree_mask is None else tree_mask[t0:t1]
         mask = _sequence_mask(prefix, n, rows, q.device)
-        # q_b: [Hq, n, D] against k, v: [Hkv, L, D]; SDPA broadcasts the kv heads over each q-head group.
-        o = F.scaled_dot_product_attention(q[t0:t1].transpose(0, 1), k, v, attn_mask=mask, scale=scale,
-                                           enable_gqa=gqa)
-        out[t0:t1] = o.transpose(0, 1)
+        # q_b: [1, Hq, n, D] against k, v: [1, Hkv, L, D]; SDPA shares each kv head with its q-head group.
+        # (The 4-D form matters: 3-D inputs take a slower CPU path.)
+        o = F.scaled_dot_product_attention(q[None, t0:t1].transpose(1, 2), k[None], v[None], attn_mask=mask,
+                                           scale=scale, enable_gqa=gqa)
+        out[t0:t1] = o[0].transpose(0, 1)
     return out
 
 
