@@ -4,9 +4,16 @@ Contracts: DESIGN.md ("paged_attention", "write_kv", "move_kv"). `paged_attentio
 CUDA tensors when Triton is importable and the torch path otherwise (CPU: one fused SDPA call per sequence).
 """
 import math
+import os
 
 import torch
 import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch path serves every device
+    triton = None
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -51,6 +58,8 @@ def _check_paged_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_le
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask=None, scale=None):
     """q: [T, Hq, D] packed new tokens -> [T, Hq, D]; see DESIGN.md for the masking rule."""
     _check_paged_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask)
+    if q.is_cuda and triton is not None:
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _paged_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
 
@@ -139,6 +148,151 @@ def _decode_batched(q, k_cache, v_cache, block_tables, prefixes, scale):
     o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale,
                                        enable_gqa=q.shape[1] != k_cache.shape[2])
     return o[:, :, 0, :]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton path (CUDA; CPU tensors only under TRITON_INTERPRET=1)
+# ----------------------------------------------------------------------------------------------------------
+# One program owns one sequence, one tile of BLOCK_M new tokens and one kv head. Its query rows are the
+# BLOCK_M tokens x the G_PAD q heads sharing that kv head (row r = token r // G_PAD, head r % G_PAD), so every
+# K/V tile is loaded once per group. Keys are visited in two loops: the cached prefix (no mask) and the new
+# tokens (causal or ancestor bits). Ancestors precede their descendants in BFS order, so both rules only ever
+# admit new keys j <= i and the second loop stops at the tile's last query: mask work is O(n^2), independent
+# of the context length.
+
+if triton is not None:
+    @triton.jit
+    def _online_softmax_step(qk, v, m_i, l_i, acc, P_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+        """qk: fp32 [ROWS, BLOCK_N] in log2 units, -inf where masked; v: [BLOCK_N, BLOCK_D]."""
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        # Rows with nothing visible yet keep m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(P_DTYPE), v, input_precision=DOT_PREC)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _load_kv_tile(cache_ptr, bt_row_ptr, pos, valid, kv_head, offs_d, d_valid,
+                      s_blk, s_off, s_head, BS: tl.constexpr):
+        """Rows pos [BLOCK_N] of the sequence's logical cache (through its block table) -> [BLOCK_N, BLOCK_D]."""
+        blk = tl.load(bt_row_ptr + pos // BS, mask=valid, other=0).to(tl.int64)
+        ptrs = cache_ptr + blk[:, None] * s_blk + (pos % BS)[:, None] * s_off + kv_head * s_head + offs_d[None, :]
+        return tl.load(ptrs, mask=valid[:, None] & d_valid[None, :], other=0.0)
+
+    @triton.jit
+    def _paged_attention_kernel(
+            q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, prefix_ptr, mask_ptr,
+            s_qt, s_qh, s_blk, s_off, s_head, s_bt, s_mask, qk_scale,
+            G: tl.constexpr, G_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            TREE: tl.constexpr, DOT_PREC: tl.constexpr):
+        b = tl.program_id(0)
+        m_start = tl.program_id(1) * BLOCK_M
+        kv_head = tl.program_id(2)
+        t0 = tl.load(cu_ptr + b)
+        n = tl.load(cu_ptr + b + 1) - t0
+        if m_start >= n:
+            return
+        prefix = tl.load(prefix_ptr + b)
+        bt_row = bt_ptr + b * s_bt
+
+        ROWS: tl.constexpr = BLOCK_M * G_PAD
+        offs_r = tl.arange(0, ROWS)
+        qi = m_start + offs_r // G_PAD                      # new-token index of each row within the sequence
+        head = kv_head * G + offs_r % G_PAD
+        row_valid = (qi < n) & (offs_r % G_PAD < G)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < D
+        q_ptrs = q_ptr + (t0 + qi)[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)   # [ROWS, BLOCK_D]
+
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+
+        # Cached prefix: every query sees every prefix key.
+        for start in range(0, prefix, BLOCK_N):
+            pos = start + offs_n
+            valid = pos < prefix
+            k = _load_kv_tile(k_ptr, bt_row, pos, valid, kv_head, offs_d, d_valid, s_blk, s_off, s_head, BS)
+            v = _load_kv_tile(v_ptr, bt_row, pos, valid, kv_head, offs_d, d_valid, s_blk, s_off, s_head, BS)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, v.dtype, DOT_PREC)
+
+        # New tokens j < min(n, tile end): causal (j <= i) or bit j of the row's ancestor mask.
+        n_hi = tl.minimum(n, m_start + BLOCK_M)
+        for start in range(0, n_hi, BLOCK_N):
+            j = start + offs_n
+            valid = j < n_hi
+            pos = prefix + j
+            k = _load_kv_tile(k_ptr, bt_row, pos, valid, kv_head, offs_d, d_valid, s_blk, s_off, s_head, BS)
+            v = _load_kv_tile(v_ptr, bt_row, pos, valid, kv_head, offs_d, d_valid, s_blk, s_off, s_head, BS)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            if TREE:
+                word_ptrs = mask_ptr + (t0 + qi)[:, None] * s_mask + (j // 32)[None, :]
+                words = tl.load(word_ptrs, mask=row_valid[:, None] & valid[None, :], other=0)
+                seen = ((words >> (j % 32)[None, :]) & 1) != 0
+            else:
+                seen = j[None, :] <= qi[:, None]
+            qk = tl.where(seen & valid[None, :], qk, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, v.dtype, DOT_PREC)
+
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = out_ptr + (t0 + qi)[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+
+
+def _interpreting():
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_triton_args(tensors, names):
+    if triton is None:
+        _fail("Triton is not installed")
+    for t, name in zip(tensors, names):
+        if t is None:
+            continue
+        if not (t.is_cuda or _interpreting()):
+            _fail(f"the Triton path needs CUDA tensors (or TRITON_INTERPRET=1), {name} is on {t.device}")
+        if not t.is_contiguous():
+            _fail(f"{name} must be contiguous (strides {tuple(t.stride())})")
+
+
+def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask=None,
+                           scale=None):
+    """The Triton kernel behind paged_attention for CUDA tensors; same contract. Launches once, no host sync."""
+    b, _ = _check_paged_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask)
+    _check_triton_args((q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask),
+                       ("q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "prefix_lens", "tree_mask"))
+    t, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    if d > 256:
+        _fail(f"head_dim {d} > 256 is not supported by the Triton kernel")
+    out = torch.empty_like(q)
+    if t == 0 or b == 0:
+        return out
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    g = hq // hkv
+    g_pad = triton.next_power_of_2(g)
+    # tl.dot needs >= 16 rows. All-decode batches (T == B: one token each) fill them with q heads and
+    # few tokens; multi-token batches take 64-row tiles.
+    block_m = max(1, (16 if t == b else 64) // g_pad)
+    block_d = max(16, triton.next_power_of_2(d))
+    block_n = 64 if block_d <= 64 else 32
+    grid = (b, triton.cdiv(t, block_m), hkv)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, prefix_lens,
+        tree_mask if tree_mask is not None else cu_seqlens_q,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        tree_mask.stride(0) if tree_mask is not None else 0, scale * 1.4426950408889634,
+        G=g, G_PAD=g_pad, BS=bs, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        TREE=tree_mask is not None, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
