@@ -1,0 +1,194 @@
+"""paged_attention (torch path and Triton kernel), write_kv and move_kv against naive references.
+
+Without CUDA the Triton kernel runs under TRITON_INTERPRET=1, which must be set before Triton decorates the
+kernels; if eagle_kernels was imported earlier in this process, the module is re-executed so its kernels are
+re-decorated in interpreter mode. The interpreter's tl.dot is wrong on bf16 operands, so the Triton bf16 case
+runs on CUDA only (the torch path covers bf16 everywhere).
+"""
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import eagle_kernels.attention as attention  # noqa: E402
+from kernel_refs_attention import (ancestor_mask_bits, random_bfs_parents, ref_move_kv,  # noqa: E402
+                                   ref_paged_attention, ref_write_kv)
+
+if attention.triton is not None and not torch.cuda.is_available() and \
+        "Interpret" not in type(attention._paged_attention_kernel).__name__:
+    attention = importlib.reload(attention)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+HAS_TRITON = attention.triton is not None
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+BLOCK_SIZE = 16
+
+# (prefix_lens, new-token counts): ragged prefixes incl. 0 and block-boundary crossings; decode, small
+# trees/chains, and > 32 new tokens (two mask words).
+SCENARIOS = [
+    ([0, 16, 37], [1, 5, 17]),
+    ([15, 70], [1, 1]),
+    ([31], [40]),
+    ([0], [33]),
+]
+# (Hq, Hkv, D): GQA ratios 1, 3 (the 135M model's 9/3 heads) and 4; head dims 64 and 128.
+HEADS = [(2, 2, 64), (9, 3, 64), (8, 2, 64), (8, 2, 128)]
+
+
+def make_batch(prefixes, ns, hq, hkv, d, dtype, tree, seed=0):
+    """Random q / paged cache with shuffled, non-consecutive block tables; tree masks from random BFS trees."""
+    gen = torch.Generator().manual_seed(seed)
+    b = len(prefixes)
+    blocks_per_seq = [-(-(p + n) // BLOCK_SIZE) for p, n in zip(prefixes, ns)]
+    max_blocks = max(blocks_per_seq) + 1            # one spare column: stale entries must be ignored
+    num_blocks = sum(blocks_per_seq) + 3
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, generator=gen).to(dtype)
+    ids = torch.randperm(num_blocks, generator=gen).int()
+    block_tables = torch.full((b, max_blocks), num_blocks - 1, dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(blocks_per_seq):
+        block_tables[i, :nb] = ids[used:used + nb]
+        used += nb
+    cu = torch.tensor([0] + torch.tensor(ns).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d, generator=gen).to(dtype)
+    tree_mask = None
+    if tree:
+        words = (max(ns) + 31) // 32
+        rows = [ancestor_mask_bits(random_bfs_parents(n, gen)) for n in ns]
+        tree_mask = torch.cat([torch.nn.functional.pad(r, (0, words - r.shape[1])) for r in rows])
+    return q, k_cache, v_cache, block_tables, cu, torch.tensor(prefixes, dtype=torch.int32), tree_mask
+
+
+def to_dev(args):
+    return [a.to(DEV) if a is not None else None for a in args]
+
+
+def check_close(out, ref, dtype):
+    assert out.dtype == dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.double().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hq{h[0]}-hkv{h[1]}-d{h[2]}")
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: f"p{s[0]}-n{s[1]}")
+def test_paged_attention_fp32_fp16(scenario, heads, tree):
+    for dtype in (torch.float32, torch.float16):
+        args = make_batch(*scenario, *heads, dtype, tree)
+        ref = ref_paged_attention(*args)
+        check_close(attention.paged_attention(*args), ref, dtype)
+        if HAS_TRITON:
+            check_close(attention.paged_attention_triton(*to_dev(args)), ref, dtype)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+def test_paged_attention_bf16_torch_path(tree):
+    args = make_batch([0, 16, 37], [1, 5, 17], 9, 3, 64, torch.bfloat16, tree)
+    check_close(attention.paged_attention(*args), ref_paged_attention(*args), torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="interpreter tl.dot is wrong on bf16; GPU only")
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+def test_paged_attention_bf16_triton(tree):
+    args = make_batch([0, 16, 37], [1, 5, 17], 8, 2, 128, torch.bfloat16, tree)
+    check_close(attention.paged_attention_triton(*to_dev(args)), ref_paged_attention(*args), torch.bfloat16)
+
+
+def test_custom_scale_and_decode_batch_paths():
+    # Decode batch (T == B) takes the padded batched torch path and the 1-token Triton tiling.
+    args = make_batch([3, 0, 50], [1, 1, 1], 9, 3, 64, torch.float32, False, seed=3)
+    ref = ref_paged_attention(*args, scale=0.3)
+    check_close(attention.paged_attention(*args, scale=0.3), ref, torch.float32)
+    if HAS_TRITON:
+        check_close(attention.paged_attention_triton(*to_dev(args), scale=0.3), ref, torch.float32)
+
+
+def test_write_then_attend_matches_dense_causal_attention():
+    """Engine-style use: write K/V through slot_mapping, then prefill attention == dense causal SDPA."""
+    gen = torch.Generator().manual_seed(5)
+    n, hq, hkv, d = 37, 6, 2, 64
+    k_cache = torch.zeros(8, BLOCK_SIZE, hkv, d)
+    v_cache = torch.zeros_like(k_cache)
+    table = torch.tensor([[5, 2, 7]], dtype=torch.int32)
+    pos = torch.arange(n)
+    slots = table[0, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+    q, k, v = (torch.randn(n, h, d, generator=gen) for h in (hq, hkv, hkv))
+    attention.write_kv(k, v, k_cache, v_cache, slots)
+    out = attention.paged_attention(q, k_cache, v_cache, table, torch.tensor([0, n], dtype=torch.int32),
+                                    torch.tensor([0], dtype=torch.int32))
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(3, 1).transpose(0, 1), v.repeat_interleave(3, 1).transpose(0, 1),
+        is_causal=True).transpose(0, 1)
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_matches_reference():
+    gen = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(6, BLOCK_SIZE, 2, 64, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    k, v = torch.randn(2, 9, 2, 64, generator=gen)
+    slots = torch.randperm(6 * BLOCK_SIZE, generator=gen)[:9]
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    ref_write_kv(k, v, expect_k, expect_v, slots)
+    attention.write_kv(k, v, k_cache, v_cache, slots.int())
+    assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
+
+
+def test_move_kv_reads_sources_before_writing():
+    gen = torch.Generator().manual_seed(2)
+    k_cache = torch.randn(4, BLOCK_SIZE, 2, 64, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    # A chain (a -> b while b -> c) and a swap: wrong if any destination is written before all reads.
+    src = torch.tensor([3, 9, 20, 40, 41])
+    dst = torch.tensor([9, 20, 21, 41, 40])
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    ref_move_kv(expect_k, expect_v, src, dst)
+    attention.move_kv(k_cache, v_cache, src, dst)
+    assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
+
+
+def bad_inputs():
+    good = make_batch([4], [3], 4, 2, 64, torch.float32, True)
+    q, kc, vc, bt, cu, pl, tm = good
+    return [
+        ("q must be", (q[0], kc, vc, bt, cu, pl, tm)),
+        ("share one of", (q.double(), kc, vc, bt, cu, pl, tm)),
+        ("head_dim mismatch", (q[..., :32], kc, vc, bt, cu, pl, tm)),
+        ("multiple of Hkv", (q[:, :3], kc, vc, bt, cu, pl, tm)),
+        ("block_tables must be int32", (q, kc, vc, bt.long(), cu, pl, tm)),
+        ("cu_seqlens_q must be", (q, kc, vc, bt, cu[:1], pl, tm)),
+        ("prefix_lens must be", (q, kc, vc, bt, cu, pl.long(), tm)),
+        ("tree_mask must be", (q, kc, vc, bt, cu, pl, tm[:1])),
+        ("k_cache/v_cache", (q, kc, vc[:, :8], bt, cu, pl, tm)),
+    ]
+
+
+@pytest.mark.parametrize("fn", ["paged_attention", "paged_attention_triton"])
+def test_bad_inputs_raise(fn):
+    if fn == "paged_attention_triton" and not HAS_TRITON:
+        pytest.skip("Triton not installed")
+    for message, args in bad_inputs():
+        with pytest.raises(ValueError, match=message):
+            getattr(attention, fn)(*args)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton not installed")
+def test_triton_launcher_rejects_non_contiguous():
+    q, kc, vc, bt, cu, pl, tm = to_dev(make_batch([4], [3], 4, 2, 64, torch.float32, False))
+    k_strided = kc.transpose(0, 1).contiguous().transpose(0, 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        attention.paged_attention_triton(q, k_strided, vc, bt, cu, pl)
+
+
+def test_cache_ops_reject_bad_shapes():
+    kc = torch.zeros(2, BLOCK_SIZE, 2, 8)
+    with pytest.raises(ValueError, match="write_kv"):
+        attention.write_kv(torch.zeros(3, 2, 4), torch.zeros(3, 2, 4), kc, kc.clone(), torch.arange(3))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        attention.write_kv(torch.zeros(3, 2, 8), torch.zeros(3, 2, 8), kc, kc.clone(), torch.arange(4))
+    with pytest.raises(ValueError, match="dst_slots"):
+        attention.move_kv(kc, kc.clone(), torch.arange(3), torch.arange(2))
