@@ -11,12 +11,13 @@ from .model import AttnMeta
 
 
 class ModelRunner:
-    def __init__(self, model, cfg, kv_cache_gb: float = 0.5, block_size: int = 16):
+    def __init__(self, model, cfg, kv_cache_gb: float = 0.5, block_size: int = 16, num_blocks: int | None = None):
+        """num_blocks, when given, overrides kv_cache_gb (a draft's cache mirrors the target's block count)."""
         self.model, self.cfg = model, cfg
         weight = model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * weight.element_size()
-        num_blocks = int(kv_cache_gb * 2**30 // per_block)
+        num_blocks = num_blocks or int(kv_cache_gb * 2**30 // per_block)
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-gb {kv_cache_gb} holds no block of {per_block} bytes")
         # kv: [layers, 2, blocks, block_size, Hkv, D]. Zero-filled: slots past a sequence's end may be

@@ -1,0 +1,229 @@
+"""EAGLE heads: official checkpoint format round trips, shape errors, and paged inference == dense training."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from engine.config import LlamaConfig
+from engine.heads import Eagle1Head, Eagle3Head, load_head, new_head
+from engine.model import Llama
+from engine.model_runner import ModelRunner
+
+EAGLE1_KEYS = {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight",
+               *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
+               *(f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
+EAGLE3_KEYS = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+               *(f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")),
+               *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+               *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
+
+
+def tiny_target(seed=0, **overrides) -> Llama:
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=6, num_heads=4,
+               num_kv_heads=2, head_dim=8, max_position=128)
+    cfg.update(overrides)
+    return Llama(LlamaConfig(**cfg)).eval()
+
+
+def randomize(head, seed=1):
+    """Non-trivial norms and biases, so that a dropped or swapped tensor shows up."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_()
+    return head
+
+
+def make_head(kind, target, **kw):
+    head = randomize(new_head(kind, target, **kw))
+    if kind == "eagle3" and kw.get("draft_vocab_size"):
+        vd = kw["draft_vocab_size"]
+        perm = torch.randperm(target.cfg.vocab_size, generator=torch.Generator().manual_seed(3))[:vd].sort().values
+        head.d2t.copy_(perm - torch.arange(vd))
+        head.t2d.zero_()[perm] = True
+    return head
+
+
+def inputs(head, T, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, head.cfg.vocab_size, (T,), generator=g)
+    hidden = torch.randn(T, head.cfg.hidden_size, generator=g)
+    return ids, hidden
+
+
+@pytest.mark.parametrize("kind,kw,keys", [("eagle", {}, EAGLE1_KEYS),
+                                          ("eagle3", {"draft_vocab_size": 20}, EAGLE3_KEYS)])
+def test_save_load_round_trip_with_official_keys(tmp_path, kind, kw, keys):
+    target = tiny_target()
+    head = make_head(kind, target, **kw)
+    head.save(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == keys
+        if kind == "eagle3":
+            assert f.get_tensor("d2t").dtype == torch.int64 and f.get_tensor("t2d").dtype == torch.bool
+            assert f.get_tensor("midlayer.self_attn.q_proj.weight").shape == (32, 64)  # reads 2H inputs
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1
+    assert config.get("draft_vocab_size", 20) == 20
+    loaded = load_head(tmp_path, target, kind)
+    assert type(loaded) is type(head)
+    for (name, a), b in zip(head.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    ids, hidden = inputs(head, 5)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    pos = torch.arange(5)
+    assert torch.equal(head.forward_dense(ids[None], hidden[None], pos, mask)[0],
+                       loaded.forward_dense(ids[None], hidden[None], pos, mask)[0])
+
+
+def test_eagle1_without_bias_and_target_embedding_in_checkpoint(tmp_path):
+    """LLaMA3 EAGLE-1 heads are stored with "bias": false; some exporters also store the embedding."""
+    target = tiny_target()
+    head = make_head("eagle", target, bias=False)
+    head.save(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["bias"] is False
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file({**tensors, "embed_tokens.weight": target.embed_tokens.weight.detach().clone()},
+              str(tmp_path / "model.safetensors"))
+    loaded = load_head(tmp_path, target)
+    assert loaded.fc.bias is None
+
+
+def test_head_parameters_exclude_the_shared_target_weights():
+    target = tiny_target()
+    for kind in ("eagle", "eagle3"):
+        head = new_head(kind, target)
+        names = dict(head.named_parameters())
+        assert not any("embed_tokens" in n for n in names)
+        assert all(p is not target.lm_head.weight for p in names.values())
+        assert head.embed_tokens is target.embed_tokens
+
+
+def test_forward_shapes():
+    target = tiny_target()
+    e1, e3 = make_head("eagle", target), make_head("eagle3", target, draft_vocab_size=20)
+    ids, hidden = inputs(e1, 7)
+    mask = torch.ones(7, 7, dtype=torch.bool).tril()
+    for head, vocab in ((e1, 48), (e3, 20)):
+        out, (k, v) = head.forward_dense(ids.expand(2, 7), hidden.expand(2, 7, 32), torch.arange(7), mask)
+        assert out.shape == (2, 7, 32) and k.shape == v.shape == (2, 2, 7, 8)
+        assert head.logits(out).shape == (2, 7, vocab) and head.logits(out).dtype == torch.float32
+    captured = [torch.randn(7, 32) for _ in e3.capture]
+    assert e3.capture == (2, 3, 3) and e3.target_feature(None, captured).shape == (7, 32)
+    feature = torch.randn(7, 32)
+    assert e1.capture == () and e1.target_feature(feature, []) is feature
+    draft_ids = torch.arange(20)
+    assert torch.equal(e3.t2d[e3.to_target(draft_ids)], torch.ones(20, dtype=torch.bool))
+    assert torch.equal(e1.to_target(draft_ids), draft_ids)
+
+
+def test_shape_mismatch_is_a_clear_error(tmp_path):
+    head = make_head("eagle3", tiny_target(), draft_vocab_size=20)
+    head.save(tmp_path / "h")
+    with pytest.raises(ValueError, match="hidden size 32 .* target has 64"):
+        load_head(tmp_path / "h", tiny_target(hidden_size=64, head_dim=16))
+    with pytest.raises(ValueError, match="vocabulary 48; the target has 32 and 50"):
+        load_head(tmp_path / "h", tiny_target(vocab_size=50))
+    with pytest.raises(ValueError, match="is an eagle3 head, the method needs an eagle head"):
+        load_head(tmp_path / "h", tiny_target(), "eagle")
+    config = json.loads((tmp_path / "h" / "config.json").read_text())
+    (tmp_path / "h" / "config.json").write_text(json.dumps({**config, "intermediate_size": 80}))
+    with pytest.raises(ValueError, match="midlayer.mlp.gate_up_proj.weight has shape"):
+        load_head(tmp_path / "h", tiny_target())
+    with pytest.raises(ValueError, match="expected config.json and model.safetensors"):
+        load_head(tmp_path / "missing", tiny_target())
+
+
+def test_missing_and_unexpected_tensors(tmp_path):
+    target = tiny_target()
+    make_head("eagle", target).save(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file({k: v for k, v in tensors.items() if k != "fc.weight"}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing tensor fc.weight"):
+        load_head(tmp_path, target)
+    save_file({**tensors, "layers.0.input_layernorm.weight": torch.ones(32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="unexpected tensor layers.0.input_layernorm.weight"):
+        load_head(tmp_path, target)
+
+
+def paged_forward(head, ids, hidden, chunks, tree_parents=None):
+    """Feed the tokens to the head's paged cache in `chunks` (a causal prefix, then optionally a tree);
+    -> outputs of every token."""
+    runner = ModelRunner(head, head.cfg, block_size=4, num_blocks=16)
+    outs, start = [], 0
+    for i, n in enumerate(chunks):
+        mask = None
+        pos = torch.arange(start, start + n)
+        if tree_parents is not None and i == len(chunks) - 1:
+            from tests.kernel_refs_attention import ancestor_mask_bits
+            mask = ancestor_mask_bits(tree_parents)
+            pos = start + tree_depths(tree_parents)
+        meta, _, _ = runner.build_meta([0], [n], mask)
+        with torch.inference_mode():
+            outs.append(head(ids[start:start + n], hidden[start:start + n], pos, runner.kv_layers[0], meta))
+        start += n
+    return torch.cat(outs)
+
+
+def tree_depths(parents):
+    depth = [0] * len(parents)
+    for i, p in enumerate(parents):
+        depth[i] = depth[p] + 1 if i else 0
+    return torch.tensor(depth)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_paged_forward_matches_dense_causal(kind):
+    head = make_head(kind, tiny_target())
+    ids, hidden = inputs(head, 11)
+    paged = paged_forward(head, ids, hidden, [6, 1, 4])  # prefill, decode, chain
+    dense, _ = head.forward_dense(ids[None], hidden[None], torch.arange(11), torch.ones(11, 11).tril().bool())
+    torch.testing.assert_close(paged, dense[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_paged_tree_forward_matches_dense_with_ancestor_mask(kind):
+    head = make_head(kind, tiny_target())
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    P = 5
+    ids, hidden = inputs(head, P + len(parents))
+    paged = paged_forward(head, ids, hidden, [P, len(parents)], parents)
+    anc = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for i in range(len(parents)):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parents[j]
+    mask = torch.ones(P + len(parents), P + len(parents)).tril().bool()
+    mask[P:, P:] = anc
+    pos = torch.cat([torch.arange(P), P + tree_depths(parents)])
+    dense, _ = head.forward_dense(ids[None], hidden[None], pos, mask)
+    torch.testing.assert_close(paged, dense[0], atol=1e-5, rtol=1e-5)
+
+
+def test_dense_past_kv_unrolls_training_time_test():
+    """Step 1 over past_kv (step 0's keys) == one dense call over both steps' tokens with the same mask."""
+    head = make_head("eagle3", tiny_target())
+    S = 6
+    ids, hidden = inputs(head, 2 * S)
+    causal = torch.ones(S, S).tril().bool()
+    pos = torch.arange(S)
+    out0, kv0 = head.forward_dense(ids[None, :S], hidden[None, :S], pos, causal)
+    mask1 = torch.cat([causal, torch.eye(S, dtype=torch.bool)], dim=1)  # prefix <= s, own earlier step
+    out1, kv1 = head.forward_dense(ids[None, S:], out0, pos, mask1, past_kv=kv0)
+    assert kv1[0].shape == (1, 2, 2 * S, 8)
+    full_mask = torch.zeros(2 * S, 2 * S, dtype=torch.bool)
+    full_mask[:S, :S] = causal
+    full_mask[S:] = mask1
+    both, _ = head.forward_dense(ids[None], torch.cat([hidden[None, :S], out0], 1), torch.cat([pos, pos]), full_mask)
+    torch.testing.assert_close(out1, both[:, S:], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="key columns"):
+        head.forward_dense(ids[None, S:], out0, pos, causal, past_kv=kv0)
