@@ -1,0 +1,107 @@
+"""sampling_probs against a row-by-row fp64 reference of temperature -> top-k -> top-p."""
+import pytest
+import torch
+
+from eagle_kernels.sampling import sampling_probs
+
+
+def ref_row(logits, temperature, top_k, top_p):
+    """One row: softmax(logits / T); keep the top_k most probable (ties -> lower id); of those keep each token
+    whose preceding renormalised mass is < top_p; renormalise."""
+    p = torch.softmax(logits.double() / temperature, dim=-1)
+    order = sorted(range(len(p)), key=lambda i: (-float(p[i]), i))
+    if 0 < top_k < len(p):
+        order = order[:top_k]
+    total = sum(float(p[i]) for i in order)
+    kept, before = [], 0.0
+    for i in order:
+        if before >= top_p * total:
+            break
+        kept.append(i)
+        before += float(p[i])
+    out = torch.zeros_like(p)
+    out[kept] = p[kept]
+    return out / out.sum()
+
+
+def ref_probs(logits, temperature, top_k, top_p):
+    rows = logits.reshape(-1, logits.shape[-1])
+    params = [torch.as_tensor(x).double().expand(rows.shape[0]) for x in (temperature, top_k, top_p)]
+    return torch.stack([ref_row(rows[i], float(params[0][i]), int(params[1][i]), float(params[2][i]))
+                        for i in range(rows.shape[0])]).reshape(logits.shape)
+
+
+def top_p_between(logits, temperature, top_k, m):
+    """A top_p strictly between the cumulative masses of the first m and m + 1 kept tokens, so that exactly
+    m + 1 tokens survive with no rounding ambiguity."""
+    p = torch.softmax(logits.double() / temperature, dim=-1).sort(descending=True).values
+    if 0 < top_k < len(p):
+        p = p[:top_k]
+    cum = (p / p.sum()).cumsum(0)
+    return float((cum[m - 1] + cum[m]) / 2) if m > 0 else float(cum[0] / 2)
+
+
+def check(out, ref):
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=1e-5)
+    assert torch.equal(out > 0, ref > 0), "support differs"
+    torch.testing.assert_close(out.sum(-1), torch.ones(out.shape[:-1]), atol=1e-5, rtol=0)
+
+
+def test_per_row_parameters_exact_truncation():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 500, generator=gen) * 2
+    temperature = torch.tensor([1.0, 0.7, 1.3, 2.0, 0.5, 1.0])
+    top_k = torch.tensor([0, 20, 500, 7, 0, 1])
+    keep = [10, 5, 40, 3, 1, 0]  # tokens kept by top-p, minus one
+    top_p = torch.tensor([top_p_between(logits[i], float(temperature[i]), int(top_k[i]), keep[i])
+                          for i in range(6)])
+    top_p[2] = 1.0  # top-k only on a disabled top-k: the full softmax
+    out = sampling_probs(logits, temperature, top_k, top_p)
+    check(out, ref_probs(logits, temperature, top_k, top_p))
+    expected_support = [11, 6, 500, 4, 2, 1]
+    assert (out > 0).sum(-1).tolist() == expected_support
+
+
+def test_top_k_only_and_plain_softmax_paths():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 300, generator=gen)
+    top_k = torch.tensor([5, 0, 1, 299])
+    out = sampling_probs(logits, 0.8, top_k, 1.0)
+    check(out, ref_probs(logits, 0.8, top_k, 1.0))
+    assert (out > 0).sum(-1).tolist() == [5, 300, 1, 299]
+    check(sampling_probs(logits, 1.5, 0, 1.0), torch.softmax(logits.double() / 1.5, -1))
+
+
+def test_ties_keep_lowest_ids():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, 1.0]])
+    out = sampling_probs(logits, 1.0, 2, 1.0)
+    assert (out[0] > 0).nonzero().flatten().tolist() == [1, 3]
+    out = sampling_probs(logits, 1.0, 4, 1.0)
+    assert (out[0] > 0).nonzero().flatten().tolist() == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_leading_dims_broadcast_params_and_half_inputs(dtype):
+    # Target distributions [B, N, V] with per-request parameters [B].
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(2, 3, 200, generator=gen) * 3).to(dtype)
+    temperature, top_k, top_p = torch.tensor([0.6, 1.0]), torch.tensor([50, 0]), torch.tensor([0.9, 0.75])
+    out = sampling_probs(logits, temperature, top_k, top_p)
+    ref = ref_probs(logits.float().reshape(6, 200), temperature.repeat_interleave(3), top_k.repeat_interleave(3),
+                    top_p.repeat_interleave(3)).reshape(2, 3, 200)
+    check(out, ref)
+
+
+@pytest.mark.parametrize("message,kwargs", [
+    ("logits must be", dict(logits=torch.zeros(2, 5, dtype=torch.int64))),
+    ("temperature must be > 0", dict(temperature=0.0)),
+    ("temperature must be > 0", dict(temperature=torch.tensor([1.0, -1.0]))),
+    ("top_p must be in", dict(top_p=0.0)),
+    ("top_p must be in", dict(top_p=torch.tensor([0.5, 1.5]))),
+    ("top_k must be a scalar", dict(top_k=torch.tensor([1, 2, 3]))),
+])
+def test_bad_inputs_raise(message, kwargs):
+    args = dict(logits=torch.randn(2, 5), temperature=1.0, top_k=0, top_p=1.0) | kwargs
+    with pytest.raises(ValueError, match=message):
+        sampling_probs(**args)
