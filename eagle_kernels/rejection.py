@@ -1,96 +1,285 @@
-"""Batched tree rejection sampling (greedy and sampling modes), contracts in DESIGN.md."""
-import numpy as np
+"""Batched tree acceptance: greedy and rejection sampling over draft trees (DESIGN.md).
+
+Implementations: the C++ op `eagle::tree_accept_*` (CPU, and CUDA in CUDA builds; one block per
+request) and the Triton kernels below (CUDA tensors; CPU tensors under TRITON_INTERPRET=1). All of them
+follow the canonical fp32 order of csrc/cdf_order.h, so the same inputs and uniforms give identical
+outputs everywhere. Randomness enters only through `uniforms`.
+"""
+from typing import NamedTuple
+
 import torch
 
-CDF_SEGMENT = 256  # vocabulary segment length of the canonical fp32 summation order
+from ._ops import check_tensor, check_tree, has_kernel, ops
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+CDF_SEGMENT = 256  # csrc/cdf_order.h: kCdfSegment
+_MIN_LANES = 16
 
 
-def _children(par, n, cur):
-    return [c for c in range(cur + 1, n) if par[c] == cur]
+class AcceptResult(NamedTuple):
+    accept_path: torch.Tensor  # int32 [B, N]: accepted node indices from the root (0), -1 padded
+    accept_len: torch.Tensor   # int32 [B]: accepted draft tokens, root excluded
+    next_token: torch.Tensor   # int64 [B]: bonus token (all accepted) or corrected token
 
 
-def tree_accept_greedy(parents, tokens, sizes, target_argmax):
+def tree_accept_greedy(parents, tokens, sizes, target_argmax, *, backend: str | None = None) -> AcceptResult:
+    """Greedy verification: descend to the first child whose token is the target argmax at its parent.
+
+    parents: int32 [B, N], tokens: int64 [B, N], sizes: int32 [B], target_argmax: int64 [B, N].
+    backend: None (Triton for CUDA tensors when installed, else the C++ op), "native" or "triton".
+    """
+    B, N = _check_accept(parents, tokens, sizes)
+    check_tensor(target_argmax, "target_argmax", torch.int64, (B, N), parents.device)
+    if _pick_backend(backend, parents.device, "tree_accept_greedy") == "native":
+        return AcceptResult(*ops().tree_accept_greedy(parents, tokens, sizes, target_argmax))
+    return _greedy_triton(parents, tokens, sizes, target_argmax)
+
+
+def tree_accept_sample(parents, tokens, sizes, target_probs, uniforms, draft_probs=None, *,
+                       backend: str | None = None) -> AcceptResult:
+    """Lossless rejection sampling of a draft tree against the target distributions.
+
+    target_probs: fp32 [B, N, V], the target's next-token distribution at each node; uniforms: fp32
+    [B, N + 1] in [0, 1) (uniforms[:, i] tests node i, uniforms[:, 0] draws the final token).
+    draft_probs None (deterministic drafts): siblings are tried in index order, child token x accepted
+    iff u < p(x) / sum(p), a rejected x is removed from p. draft_probs fp32 [B, N, V] (chains sampled from
+    q, draft_probs[b, c] = q at c's parent): only the first child of a node is tried, accepted iff
+    u < p(x) / q(x), else the final token comes from norm(max(0, p - q)).
+    """
+    B, N = _check_accept(parents, tokens, sizes)
+    check_tensor(target_probs, "target_probs", torch.float32, (B, N, None), parents.device)
+    V = target_probs.shape[2]
+    if V < 1:
+        raise ValueError("target_probs must have a non-empty vocabulary (V >= 1)")
+    check_tensor(uniforms, "uniforms", torch.float32, (B, N + 1), parents.device)
+    if draft_probs is not None:
+        check_tensor(draft_probs, "draft_probs", torch.float32, (B, N, V), parents.device)
+    if _pick_backend(backend, parents.device, "tree_accept_sample") == "native":
+        return AcceptResult(*ops().tree_accept_sample(parents, tokens, sizes, target_probs, uniforms,
+                                                      draft_probs))
+    return _sample_triton(parents, tokens, sizes, target_probs, uniforms, draft_probs)
+
+
+def _check_accept(parents, tokens, sizes) -> tuple[int, int]:
+    B, N = check_tree(parents, sizes)
+    check_tensor(tokens, "tokens", torch.int64, (B, N), parents.device)
+    return B, N
+
+
+def _pick_backend(backend, device: torch.device, op: str) -> str:
+    if backend is None:
+        backend = "triton" if device.type == "cuda" and triton is not None else "native"
+    if backend == "native":
+        if device.type != "cpu" and not has_kernel(op, device):
+            raise ValueError(f"eagle_kernels._C has no {device.type} kernel for {op} (built without CUDA?)")
+        return backend
+    if backend != "triton":
+        raise ValueError(f"backend must be None, 'native' or 'triton', got {backend!r}")
+    if triton is None:
+        raise ValueError("backend='triton' needs Triton installed")
+    if device.type != "cuda" and not _interpreting():
+        raise ValueError(f"the Triton path needs CUDA tensors (or TRITON_INTERPRET=1), got {device}")
+    return backend
+
+
+def _interpreting() -> bool:
+    return "Interpret" in type(_tree_accept_sample_kernel).__name__
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def _greedy_triton(parents, tokens, sizes, target_argmax) -> AcceptResult:
     B, N = parents.shape
-    path = torch.full((B, N), -1, dtype=torch.int32)
-    length = torch.zeros(B, dtype=torch.int32)
-    nxt = torch.zeros(B, dtype=torch.int64)
-    par, tok, sz, am = parents.tolist(), tokens.tolist(), sizes.tolist(), target_argmax.tolist()
-    for b in range(B):
-        cur, depth = 0, 0
-        path[b, 0] = 0
-        while True:
-            child = next((c for c in _children(par[b], sz[b], cur) if tok[b][c] == am[b][cur]), None)
-            if child is None:
-                break
-            cur, depth = child, depth + 1
-            path[b, depth] = cur
-        length[b], nxt[b] = depth, am[b][cur]
-    return path, length, nxt
+    out = _alloc_result(B, N, parents.device)
+    _tree_accept_greedy_kernel[(B,)](
+        parents.contiguous(), tokens.contiguous(), sizes.contiguous(), target_argmax.contiguous(),
+        *out, N, BLOCK_N=_next_pow2(N), num_warps=1)
+    return out
 
 
-def _seq_sum(x):
-    acc = np.float32(0)
-    for v in x:
-        acc = np.float32(acc + v)
-    return acc
-
-
-def _draw(p, u):
-    """Inverse CDF over p (fp32 [V]) in the canonical two-level order; -1 if p has no mass."""
-    seg = [_seq_sum(p[s:s + CDF_SEGMENT]) for s in range(0, len(p), CDF_SEGMENT)]
-    thr = np.float32(np.float32(u) * _seq_sum(seg))
-    before = np.float32(0)
-    for s, seg_sum in enumerate(seg):
-        if np.float32(before + seg_sum) > thr:
-            inner = np.float32(0)
-            for i in range(s * CDF_SEGMENT, min(len(p), (s + 1) * CDF_SEGMENT)):
-                inner = np.float32(inner + p[i])
-                if np.float32(before + inner) > thr:
-                    return i
-        before = np.float32(before + seg_sum)
-    nz = np.nonzero(p > 0)[0]
-    return int(nz[-1]) if len(nz) else -1
-
-
-def tree_accept_sample(parents, tokens, sizes, target_probs, uniforms, draft_probs=None):
+def _sample_triton(parents, tokens, sizes, target_probs, uniforms, draft_probs) -> AcceptResult:
     B, N = parents.shape
-    path = torch.full((B, N), -1, dtype=torch.int32)
-    length = torch.zeros(B, dtype=torch.int32)
-    nxt = torch.zeros(B, dtype=torch.int64)
-    par, tok, sz = parents.tolist(), tokens.tolist(), sizes.tolist()
-    probs = target_probs.float().numpy()
-    q_all = None if draft_probs is None else draft_probs.float().numpy()
-    u = uniforms.float().numpy()
-    with np.errstate(divide="ignore", invalid="ignore"):
-        for b in range(B):
-            cur, depth, final = 0, 0, None
-            path[b, 0] = 0
-            while final is None:
-                p = probs[b, cur].copy()
-                kids = _children(par[b], sz[b], cur)
-                if q_all is not None:
-                    kids = kids[:1]
-                child = None
-                for c in kids:
-                    x = tok[b][c]
-                    denom = q_all[b, c, x] if q_all is not None else _seq_sum_segments(p)
-                    if u[b, c] < np.float32(p[x] / denom):
-                        child = c
-                        break
-                    if q_all is not None:
-                        r = np.maximum(np.float32(0), p - q_all[b, c])
-                        if _seq_sum_segments(r) > 0:
-                            p = r
-                    else:
-                        p[x] = 0
-                if child is None:
-                    final = _draw(p, u[b, 0])
+    V = target_probs.shape[2]
+    lanes = max(_MIN_LANES, _next_pow2(-(-V // CDF_SEGMENT)))
+    probs = target_probs.contiguous()
+    work = torch.empty(B, V, dtype=torch.float32, device=parents.device)      # current distribution
+    seg = torch.empty(B, lanes, dtype=torch.float32, device=parents.device)   # its segment sums
+    out = _alloc_result(B, N, parents.device)
+    _tree_accept_sample_kernel[(B,)](
+        parents.contiguous(), tokens.contiguous(), sizes.contiguous(), probs,
+        probs if draft_probs is None else draft_probs.contiguous(), uniforms.contiguous(), work, seg,
+        *out, N, V, HAS_DRAFT=draft_probs is not None, SEG=CDF_SEGMENT, LANES=lanes,
+        BLOCK_N=_next_pow2(N), BLOCK_V=1024, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def _alloc_result(B: int, N: int, device) -> AcceptResult:
+    return AcceptResult(torch.empty(B, N, dtype=torch.int32, device=device),
+                        torch.empty(B, dtype=torch.int32, device=device),
+                        torch.empty(B, dtype=torch.int64, device=device))
+
+
+# One program per request. The walk is scalar; the distribution of the current node lives in a global
+# scratch row (`work`, [V]) with its segment sums (`seg`, [LANES]), lane s summing segment s sequentially.
+# Threads of a program exchange them through memory, so every pass is fenced by barriers.
+if triton is not None:
+    @triton.jit
+    def _segment_pass(src, q, work, seg, V, RESIDUAL: tl.constexpr, COPY: tl.constexpr,
+                      SEG: tl.constexpr, LANES: tl.constexpr):
+        """seg[s] = sequential sum of segment s of src (max(0, src - q) with RESIDUAL); COPY writes the
+        summed values to work."""
+        tl.debug_barrier()
+        start = tl.arange(0, LANES).to(tl.int64) * SEG
+        acc = tl.zeros([LANES], dtype=tl.float32)
+        for k in range(0, tl.minimum(V, SEG)):
+            idx = start + k
+            valid = idx < V
+            v = tl.load(src + idx, mask=valid, other=0.0)
+            if RESIDUAL:
+                v = tl.maximum(v - tl.load(q + idx, mask=valid, other=0.0), 0.0)
+            if COPY:
+                tl.store(work + idx, v, mask=valid)
+            acc += v
+        tl.store(seg + tl.arange(0, LANES), acc)
+        tl.debug_barrier()
+
+    @triton.jit
+    def _total(seg, nseg):
+        acc = tl.zeros([], dtype=tl.float32)
+        for s in range(0, nseg):
+            acc += tl.load(seg + s)
+        return acc
+
+    @triton.jit
+    def _last_positive(work, V, BLOCK_V: tl.constexpr):
+        offs = tl.arange(0, BLOCK_V)
+        best = tl.full([], -1, tl.int64)
+        for start in range(0, V, BLOCK_V):
+            idx = start + offs
+            v = tl.load(work + idx, mask=idx < V, other=0.0)
+            best = tl.maximum(best, tl.max(tl.where(v > 0.0, idx, -1)).to(tl.int64))
+        return best
+
+    @triton.jit
+    def _draw(work, seg, V, u, SEG: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Inverse CDF of the work row at u (cdf_order.h): skip whole segments, then scan one."""
+        nseg = (V + SEG - 1) // SEG
+        threshold = u * _total(seg, nseg)
+        found = tl.full([], -1, tl.int64)
+        before = tl.zeros([], dtype=tl.float32)
+        s = tl.zeros([], dtype=tl.int32)
+        while (s < nseg) & (found < 0):
+            after = before + tl.load(seg + s)
+            if after > threshold:
+                inner = tl.zeros([], dtype=tl.float32)
+                i = s.to(tl.int64) * SEG
+                end = tl.minimum(i + SEG, V)
+                while (i < end) & (found < 0):
+                    inner += tl.load(work + i)
+                    if before + inner > threshold:
+                        found = i
+                    i += 1
+            before = after
+            s += 1
+        if found < 0:
+            found = _last_positive(work, V, BLOCK_V)
+        return found
+
+    @triton.jit
+    def _try_siblings(par, tok, unif, row, work, seg, cur, n, V, SEG: tl.constexpr, LANES: tl.constexpr):
+        """Deterministic drafts: the first child of cur accepted in index order, or -1 with work =
+        the remaining distribution (rejected tokens zeroed)."""
+        _segment_pass(row, row, work, seg, V, False, True, SEG, LANES)
+        nseg = (V + SEG - 1) // SEG
+        child = tl.full([], -1, tl.int32)
+        c = cur + 1
+        while (c < n) & (child < 0):
+            if tl.load(par + c) == cur:
+                x = tl.load(tok + c)
+                if tl.load(unif + c) < tl.math.div_rn(tl.load(work + x), _total(seg, nseg)):
+                    child = c
                 else:
-                    cur, depth = child, depth + 1
-                    path[b, depth] = cur
-            length[b], nxt[b] = depth, final
-    return path, length, nxt
+                    tl.store(work + x, 0.0)
+                    _segment_pass(work, work, work, seg, V, False, False, SEG, LANES)
+            c += 1
+        return child
 
+    @triton.jit
+    def _try_chain(par, tok, unif, row, draft, work, seg, cur, n, V, SEG: tl.constexpr, LANES: tl.constexpr):
+        """Chain drafts with probabilities: the first child of cur, accepted iff u < p(x) / q(x); else -1
+        with work = max(0, p - q) (p if that has no mass)."""
+        c = cur + 1
+        while (c < n) & (tl.load(par + c, mask=c < n, other=-2) != cur):
+            c += 1
+        child = tl.full([], -1, tl.int32)
+        use_p = c >= n
+        if c < n:
+            x = tl.load(tok + c)
+            q = draft + c.to(tl.int64) * V
+            if tl.load(unif + c) < tl.math.div_rn(tl.load(row + x), tl.load(q + x)):
+                child = c
+            else:
+                _segment_pass(row, q, work, seg, V, True, True, SEG, LANES)
+                use_p = _total(seg, (V + SEG - 1) // SEG) == 0.0
+        if use_p:
+            _segment_pass(row, row, work, seg, V, False, True, SEG, LANES)
+        return child
 
-def _seq_sum_segments(p):
-    return _seq_sum([_seq_sum(p[s:s + CDF_SEGMENT]) for s in range(0, len(p), CDF_SEGMENT)])
+    @triton.jit
+    def _tree_accept_sample_kernel(parents, tokens, sizes, probs, draft, uniforms, work, seg,
+                                   path_out, len_out, next_out, N, V, HAS_DRAFT: tl.constexpr,
+                                   SEG: tl.constexpr, LANES: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   BLOCK_V: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        n = tl.minimum(tl.maximum(tl.load(sizes + b), 1), N)
+        par = parents + b * N
+        tok = tokens + b * N
+        unif = uniforms + b * (N + 1)
+        work = work + b * V
+        seg = seg + b * LANES
+        offs = tl.arange(0, BLOCK_N)
+        path = tl.where(offs == 0, 0, -1)
+        cur = tl.zeros([], dtype=tl.int32)
+        depth = tl.zeros([], dtype=tl.int32)
+        child = tl.zeros([], dtype=tl.int32)
+        while child >= 0:
+            row = probs + (b * N + cur) * V
+            if HAS_DRAFT:
+                child = _try_chain(par, tok, unif, row, draft + b * N * V, work, seg, cur, n, V, SEG, LANES)
+            else:
+                child = _try_siblings(par, tok, unif, row, work, seg, cur, n, V, SEG, LANES)
+            if child >= 0:
+                cur = child
+                depth += 1
+                path = tl.where(offs == depth, cur, path)
+        tl.store(path_out + b * N + offs, path, mask=offs < N)
+        tl.store(len_out + b, depth)
+        tl.store(next_out + b, _draw(work, seg, V, tl.load(unif), SEG, BLOCK_V))
+
+    @triton.jit
+    def _tree_accept_greedy_kernel(parents, tokens, sizes, argmax, path_out, len_out, next_out, N,
+                                   BLOCK_N: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        n = tl.minimum(tl.maximum(tl.load(sizes + b), 1), N)
+        offs = tl.arange(0, BLOCK_N)
+        path = tl.where(offs == 0, 0, -1)
+        cur = tl.zeros([], dtype=tl.int32)
+        depth = tl.zeros([], dtype=tl.int32)
+        want = tl.load(argmax + b * N)
+        # BFS order: a child follows its parent, so one forward scan sees every child of each new node.
+        for c in range(1, n):
+            if (tl.load(parents + b * N + c) == cur) & (tl.load(tokens + b * N + c) == want):
+                cur = c
+                depth += 1
+                path = tl.where(offs == depth, cur, path)
+                want = tl.load(argmax + b * N + cur)
+        tl.store(path_out + b * N + offs, path, mask=offs < N)
+        tl.store(len_out + b, depth)
+        tl.store(next_out + b, want)

@@ -1,55 +1,34 @@
-"""Tree index construction for a batch of BFS-ordered draft trees (see DESIGN.md)."""
+"""Tree index of a batch of BFS-ordered draft trees (DESIGN.md, "build_tree").
+
+The work runs in the C++ op `eagle::build_tree` (CPU, and CUDA in CUDA builds); the torch reference
+lives in tests/kernel_refs_tree.py.
+"""
 from typing import NamedTuple
 
 import torch
 
+from ._ops import check_tree, has_kernel, ops
+
 
 class TreeIndex(NamedTuple):
-    mask: torch.Tensor          # int32 [B, N, W]: ancestor-or-self bitmask, W = ceil(N / 32)
-    depths: torch.Tensor        # int32 [B, N]: root 0; padding nodes 0
-    retrieve: torch.Tensor      # int32 [B, N, N]: root-to-leaf node paths, leaves in index order, -1 padded
+    mask: torch.Tensor          # int32 [B, N, W], W = ceil(N / 32): bit j % 32 of word j // 32 in row i
+                                #   is set iff j is i or an ancestor of i (padding rows all zero)
+    depths: torch.Tensor        # int32 [B, N]: root 0, padding 0
+    retrieve: torch.Tensor      # int32 [B, N, N]: row k = root-to-leaf path of the k-th leaf in index order
     num_leaves: torch.Tensor    # int32 [B]
     first_child: torch.Tensor   # int32 [B, N], -1 where none
     next_sibling: torch.Tensor  # int32 [B, N], -1 where none
 
 
 def build_tree(parents: torch.Tensor, sizes: torch.Tensor) -> TreeIndex:
-    """parents: int32 [B, N] (BFS order, parents[:, 0] = -1), sizes: int32 [B] -> TreeIndex."""
-    B, N = parents.shape
-    W = (N + 31) // 32
-    out = TreeIndex(
-        torch.zeros(B, N, W, dtype=torch.int64), torch.zeros(B, N, dtype=torch.int32),
-        torch.full((B, N, N), -1, dtype=torch.int32), torch.zeros(B, dtype=torch.int32),
-        torch.full((B, N), -1, dtype=torch.int32), torch.full((B, N), -1, dtype=torch.int32))
-    par, sz = parents.cpu().tolist(), sizes.cpu().tolist()
-    for b in range(B):
-        _build_one(par[b], sz[b], out, b)
-    words = torch.where(out.mask >= 2**31, out.mask - 2**32, out.mask).to(torch.int32)
-    return TreeIndex(*(t.to(parents.device) for t in out._replace(mask=words)))
+    """parents: int32 [B, N] in BFS order (parents[:, 0] = -1, parents[b, i] < i), sizes: int32 [B].
 
-
-def _build_one(par, n, out, b):
-    last_child = [-1] * n
-    has_child = [False] * n
-    for i in range(n):
-        p = par[i] if i > 0 else -1
-        node = i
-        while node >= 0:
-            out.mask[b, i, node // 32] |= 1 << (node % 32)
-            node = par[node] if node > 0 else -1
-        if p >= 0:
-            out.depths[b, i] = out.depths[b, p] + 1
-            has_child[p] = True
-            if last_child[p] < 0:
-                out.first_child[b, p] = i
-            else:
-                out.next_sibling[b, last_child[p]] = i
-            last_child[p] = i
-    leaves = [i for i in range(n) if not has_child[i]]
-    out.num_leaves[b] = len(leaves)
-    for k, leaf in enumerate(leaves):
-        path, node = [], leaf
-        while node >= 0:
-            path.append(node)
-            node = par[node] if node > 0 else -1
-        out.retrieve[b, k, :len(path)] = torch.tensor(path[::-1], dtype=torch.int32)
+    CPU tensors are validated in full (ValueError on a malformed tree); CUDA tensors are not checked
+    element-wise (that would synchronise). A CUDA tensor without a CUDA build of the extension
+    round-trips through the CPU op.
+    """
+    check_tree(parents, sizes)
+    if parents.device.type == "cpu" or has_kernel("build_tree", parents.device):
+        return TreeIndex(*ops().build_tree(parents, sizes))
+    out = ops().build_tree(parents.cpu(), sizes.cpu())
+    return TreeIndex(*(t.to(parents.device, non_blocking=True) for t in out))

@@ -1,0 +1,20 @@
+// Schemas of the eagle ops; kernels register per backend with TORCH_LIBRARY_IMPL in the op files.
+// The module init makes `import eagle_kernels._C` load this library (and so the registrations).
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(eagle, m) {
+  // -> (mask, depths, retrieve, num_leaves, first_child, next_sibling), see DESIGN.md.
+  m.def("build_tree(Tensor parents, Tensor sizes) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // -> (accept_path, accept_len, next_token).
+  m.def("tree_accept_greedy(Tensor parents, Tensor tokens, Tensor sizes, Tensor target_argmax)"
+        " -> (Tensor, Tensor, Tensor)");
+  m.def("tree_accept_sample(Tensor parents, Tensor tokens, Tensor sizes, Tensor target_probs,"
+        " Tensor uniforms, Tensor? draft_probs=None) -> (Tensor, Tensor, Tensor)");
+}
+
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "eagle ops (torch.ops.eagle)", -1,
+                               nullptr};
+  return PyModule_Create(&module);
+}

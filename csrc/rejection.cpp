@@ -1,0 +1,237 @@
+// Tree acceptance on CPU (DESIGN.md, "tree_accept_greedy" / "tree_accept_sample"). The fp32
+// arithmetic follows cdf_order.h step for step; the CUDA and Triton versions reproduce it exactly.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "cdf_order.h"
+#include "checks.h"
+
+namespace eagle {
+namespace {
+
+constexpr int64_t kSeg = kCdfSegment;
+
+// The distribution sampled at the current node (unnormalised), with its segment sums.
+class Distribution {
+ public:
+  explicit Distribution(int64_t V) : p_(V), seg_((V + kSeg - 1) / kSeg) {}
+
+  void load(const float* p) {
+    std::copy(p, p + p_.size(), p_.begin());
+    refresh_all();
+  }
+  // max(0, p - q): what remains of the target after a rejected draft drawn from q.
+  void load_residual(const float* p, const float* q) {
+    for (size_t i = 0; i < p_.size(); ++i) p_[i] = std::max(0.f, p[i] - q[i]);
+    refresh_all();
+  }
+  void remove(int64_t x) {
+    p_[x] = 0.f;
+    refresh(x / kSeg);
+  }
+  float at(int64_t i) const { return p_[i]; }
+  float total() const {
+    float acc = 0.f;
+    for (float s : seg_) acc += s;
+    return acc;
+  }
+  int64_t draw(float u) const;
+
+ private:
+  int64_t begin(int64_t s) const { return s * kSeg; }
+  int64_t end(int64_t s) const { return std::min<int64_t>((s + 1) * kSeg, p_.size()); }
+  void refresh(int64_t s) {
+    float acc = 0.f;
+    for (int64_t i = begin(s); i < end(s); ++i) acc += p_[i];
+    seg_[s] = acc;
+  }
+  void refresh_all() {
+    for (size_t s = 0; s < seg_.size(); ++s) refresh(s);
+  }
+
+  std::vector<float> p_;    // [V]
+  std::vector<float> seg_;  // [ceil(V / kSeg)]
+};
+
+// Inverse CDF in the canonical order; -1 only if nothing has mass.
+int64_t Distribution::draw(float u) const {
+  const float threshold = u * total();
+  float before = 0.f;
+  for (size_t s = 0; s < seg_.size(); ++s) {
+    const float after = before + seg_[s];
+    if (after > threshold) {
+      float inner = 0.f;
+      for (int64_t i = begin(s); i < end(s); ++i) {
+        inner += p_[i];
+        if (before + inner > threshold) return i;
+      }
+    }
+    before = after;
+  }
+  for (int64_t i = static_cast<int64_t>(p_.size()) - 1; i >= 0; --i) {
+    if (p_[i] > 0.f) return i;
+  }
+  return -1;
+}
+
+// One request's rows; probs/draft: [N, V] (draft may be null), uniforms: [N + 1].
+struct Request {
+  const int32_t* parents;
+  const int64_t* tokens;
+  int32_t n;
+  const float* probs;
+  const float* draft;
+  const float* uniforms;
+  int64_t V;
+};
+
+// Deterministic drafts: children in index order; child c (token x) is accepted iff
+// u_c < p(x) / total, else x leaves the distribution. Returns the child or -1; `dist` is then the
+// remaining distribution at cur.
+int32_t try_children(const Request& r, int32_t cur, Distribution& dist) {
+  dist.load(r.probs + cur * r.V);
+  for (int32_t c = cur + 1; c < r.n; ++c) {
+    if (r.parents[c] != cur) continue;
+    const int64_t x = r.tokens[c];
+    if (r.uniforms[c] < dist.at(x) / dist.total()) return c;
+    dist.remove(x);
+  }
+  return -1;
+}
+
+// Chain drafts drawn from q: only the first child is tried, accepted iff u_c < p(x) / q(x)
+// (IEEE: q(x) = 0 accepts iff p(x) > 0). On rejection `dist` becomes norm(max(0, p - q)), or p
+// itself if rounding left the residual without mass.
+int32_t try_first_child_draft(const Request& r, int32_t cur, Distribution& dist) {
+  const float* p = r.probs + cur * r.V;
+  int32_t c = cur + 1;
+  while (c < r.n && r.parents[c] != cur) ++c;
+  if (c < r.n) {
+    const float* q = r.draft + c * r.V;
+    const int64_t x = r.tokens[c];
+    if (r.uniforms[c] < p[x] / q[x]) return c;
+    dist.load_residual(p, q);
+    if (dist.total() > 0.f) return -1;
+  }
+  dist.load(p);
+  return -1;
+}
+
+void accept_sample_one(const Request& r, Distribution& dist, int32_t* path, int32_t* len,
+                       int64_t* next) {
+  int32_t cur = 0, depth = 0;
+  path[0] = 0;
+  for (;;) {
+    const int32_t c = r.draft ? try_first_child_draft(r, cur, dist) : try_children(r, cur, dist);
+    if (c < 0) break;
+    cur = c;
+    path[++depth] = c;
+  }
+  *len = depth;
+  *next = dist.draw(r.uniforms[0]);
+}
+
+void accept_greedy_one(const int32_t* parents, const int64_t* tokens, int32_t n,
+                       const int64_t* argmax, int32_t* path, int32_t* len, int64_t* next) {
+  int32_t cur = 0, depth = 0;
+  path[0] = 0;
+  for (int32_t c = 1; c < n; ++c) {
+    if (parents[c] == cur && tokens[c] == argmax[cur]) {
+      cur = c;
+      path[++depth] = c;
+    }
+  }
+  *len = depth;
+  *next = argmax[cur];
+}
+
+void check_token_values(const int64_t* tokens, const int32_t* sizes, int64_t B, int64_t N,
+                        int64_t V) {
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 1; i < sizes[b]; ++i) {
+      const int64_t x = tokens[b * N + i];
+      TORCH_CHECK_VALUE(x >= 0 && x < V, "tokens[", b, ", ", i, "] = ", x,
+                        " is outside the vocabulary [0, ", V, ")");
+    }
+  }
+}
+
+using AcceptResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+AcceptResult alloc_result(const at::Tensor& parents) {
+  const int64_t B = parents.size(0), N = parents.size(1);
+  return {at::full({B, N}, -1, parents.options()), at::zeros({B}, parents.options()),
+          at::zeros({B}, parents.options().dtype(at::kLong))};
+}
+
+AcceptResult tree_accept_greedy_cpu(const at::Tensor& parents_in, const at::Tensor& tokens_in,
+                                    const at::Tensor& sizes_in, const at::Tensor& argmax_in) {
+  check_accept_args(parents_in, tokens_in, sizes_in);
+  check_tensor(argmax_in, "target_argmax", at::kLong, parents_in.sizes());
+  check_device(parents_in, argmax_in, "target_argmax");
+  const at::Tensor parents = parents_in.contiguous(), tokens = tokens_in.contiguous();
+  const at::Tensor sizes = sizes_in.contiguous(), argmax = argmax_in.contiguous();
+  const int64_t B = parents.size(0), N = parents.size(1);
+  check_tree_values(parents.data_ptr<int32_t>(), sizes.data_ptr<int32_t>(), B, N);
+
+  auto [path, len, next] = alloc_result(parents);
+  at::parallel_for(0, B, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      accept_greedy_one(parents.data_ptr<int32_t>() + b * N, tokens.data_ptr<int64_t>() + b * N,
+                        sizes.data_ptr<int32_t>()[b], argmax.data_ptr<int64_t>() + b * N,
+                        path.data_ptr<int32_t>() + b * N, len.data_ptr<int32_t>() + b,
+                        next.data_ptr<int64_t>() + b);
+    }
+  });
+  return {path, len, next};
+}
+
+AcceptResult tree_accept_sample_cpu(const at::Tensor& parents_in, const at::Tensor& tokens_in,
+                                    const at::Tensor& sizes_in, const at::Tensor& probs_in,
+                                    const at::Tensor& uniforms_in,
+                                    const std::optional<at::Tensor>& draft_in) {
+  check_accept_args(parents_in, tokens_in, sizes_in);
+  check_probs(parents_in, probs_in, "target_probs");
+  const int64_t B = parents_in.size(0), N = parents_in.size(1), V = probs_in.size(2);
+  check_tensor(uniforms_in, "uniforms", at::kFloat, {B, N + 1});
+  check_device(parents_in, uniforms_in, "uniforms");
+  if (draft_in) {
+    check_probs(parents_in, *draft_in, "draft_probs");
+    TORCH_CHECK_VALUE(draft_in->size(2) == V, "draft_probs has vocabulary ", draft_in->size(2),
+                      " but target_probs has ", V);
+  }
+  const at::Tensor parents = parents_in.contiguous(), tokens = tokens_in.contiguous();
+  const at::Tensor sizes = sizes_in.contiguous(), probs = probs_in.contiguous();
+  const at::Tensor uniforms = uniforms_in.contiguous();
+  const at::Tensor draft = draft_in ? draft_in->contiguous() : at::Tensor();
+  check_tree_values(parents.data_ptr<int32_t>(), sizes.data_ptr<int32_t>(), B, N);
+  check_token_values(tokens.data_ptr<int64_t>(), sizes.data_ptr<int32_t>(), B, N, V);
+
+  auto [path, len, next] = alloc_result(parents);
+  at::parallel_for(0, B, 64, [&](int64_t b0, int64_t b1) {
+    Distribution dist(V);
+    for (int64_t b = b0; b < b1; ++b) {
+      const Request r{parents.data_ptr<int32_t>() + b * N, tokens.data_ptr<int64_t>() + b * N,
+                      sizes.data_ptr<int32_t>()[b], probs.data_ptr<float>() + b * N * V,
+                      draft.defined() ? draft.data_ptr<float>() + b * N * V : nullptr,
+                      uniforms.data_ptr<float>() + b * (N + 1), V};
+      accept_sample_one(r, dist, path.data_ptr<int32_t>() + b * N, len.data_ptr<int32_t>() + b,
+                        next.data_ptr<int64_t>() + b);
+    }
+  });
+  return {path, len, next};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(eagle, CPU, m) {
+  m.impl("tree_accept_greedy", &tree_accept_greedy_cpu);
+  m.impl("tree_accept_sample", &tree_accept_sample_cpu);
+}
+
+}  // namespace eagle
