@@ -290,6 +290,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, pref
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         tree_mask.stride(0) if tree_mask is not None else 0, scale * 1.4426950408889634,
         G=g, G_PAD=g_pad, BS=bs, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        # fp32 must not be rounded to tf32 (the 1e-5 contract); the setting is inert for 16-bit inputs.
         TREE=tree_mask is not None, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
