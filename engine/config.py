@@ -35,7 +35,9 @@ class LlamaConfig:
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        scaling = cfg.get("rope_scaling")
+        # Meta's checkpoints say "rope_scaling"; transformers >= 5 writes "rope_parameters" (with theta).
+        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        theta = cfg.get("rope_theta") or (scaling or {}).get("rope_theta", 10000.0)
         if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
             scaling = None
         return cls(
@@ -47,7 +49,7 @@ class LlamaConfig:
             num_kv_heads=cfg.get("num_key_value_heads", num_heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_theta=theta,
             rope_scaling=scaling,
             max_position=cfg.get("max_position_embeddings", 8192),
             tie_embeddings=cfg.get("tie_word_embeddings", False),

@@ -185,9 +185,9 @@ def load_hf_checkpoint(path: Path, dtype: torch.dtype) -> tuple[Llama, LlamaConf
                 for key in f.keys():
                     name, part = hf_to_engine_name(key)
                     asm.add(name, f.get_tensor(key), part)
-        except (OSError, RuntimeError) as e:
-            if isinstance(e, ModelNotFoundError):
-                raise
+        except (ValueError, ModelNotFoundError):
+            raise
+        except Exception as e:  # safetensors raises its own SafetensorError on truncated files
             raise ValueError(f"{fpath}: unreadable safetensors file ({str(e).splitlines()[0]})") from None
     return asm.finish(str(path)).eval(), cfg
 
