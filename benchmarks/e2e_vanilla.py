@@ -1,0 +1,83 @@
+"""Vanilla decoding: our engine against transformers' `generate` on the same GGUF, side by side in one run.
+
+    python benchmarks/e2e_vanilla.py [--dtypes bfloat16 float32] [--prompts 5] [--new-tokens 64]
+
+Both sides generate exactly --new-tokens tokens per prompt (EOS ignored), batch size 1, greedy, the same
+thread count; each prompt is timed end to end (prefill + decode). Prints per-dtype median tokens/s and the
+ratio ours / transformers.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from engine.llm import DTYPES, LLM
+from engine.scheduler import SamplingParams
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a hash map works.",
+    "What are the main causes of inflation?",
+    "Describe the water cycle for a school report.",
+    "Give step-by-step instructions to bake bread.",
+    "Why do cats purr?",
+    "Compare Python and Rust for systems programming.",
+    "Write a limerick about a programmer.",
+]
+
+
+def time_ours(llm: LLM, prompt_ids, new_tokens: int) -> list[float]:
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    llm.generate([prompt_ids[0]], SamplingParams(max_new_tokens=4))  # warm-up
+    rates = []
+    for ids in prompt_ids:
+        t0 = time.perf_counter()
+        seqs, _ = llm.generate([ids], params)
+        rates.append(len(seqs[0].output_ids) / (time.perf_counter() - t0))
+    return rates
+
+
+def time_transformers(model, prompt_ids, new_tokens: int) -> list[float]:
+    def run(ids, n):
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                  min_new_tokens=n, do_sample=False)
+    run(prompt_ids[0], 4)
+    rates = []
+    for ids in prompt_ids:
+        t0 = time.perf_counter()
+        out = run(ids, new_tokens)
+        rates.append((out.shape[1] - len(ids)) / (time.perf_counter() - t0))
+    return rates
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=list(DTYPES))
+    ap.add_argument("--prompts", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    print(f"threads={args.threads} prompts={args.prompts} new_tokens={args.new_tokens} (bs=1, greedy)")
+    print(f"{'dtype':10s} {'ours tok/s':>11s} {'hf tok/s':>9s} {'ratio':>6s}")
+    for dtype in args.dtypes:
+        llm = LLM(dtype=dtype)
+        prompt_ids = [llm.chat_ids(p) for p in PROMPTS[:args.prompts]]
+        path = llm.source.path
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                  dtype=DTYPES[dtype]).eval()
+        ours = statistics.median(time_ours(llm, prompt_ids, args.new_tokens))
+        theirs = statistics.median(time_transformers(hf, prompt_ids, args.new_tokens))
+        print(f"{dtype:10s} {ours:11.1f} {theirs:9.1f} {ours / theirs:6.2f}x", flush=True)
+        del llm, hf
+
+
+if __name__ == "__main__":
+    main()
