@@ -57,9 +57,14 @@ def _check_paged_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_le
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask=None, scale=None):
     """q: [T, Hq, D] packed new tokens -> [T, Hq, D]; see DESIGN.md for the masking rule."""
+    impl = paged_attention_triton if q.is_cuda and triton is not None else paged_attention_torch
+    return impl(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
+
+
+def paged_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask=None,
+                          scale=None):
+    """The torch path behind paged_attention (CPU; any device); same contract. Syncs to read the lengths."""
     _check_paged_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask)
-    if q.is_cuda and triton is not None:
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _paged_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
 

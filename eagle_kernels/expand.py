@@ -72,9 +72,10 @@ def _topk_expand_torch(logits, parent_scores, k, d2t):
     """logits: [B, R, V] -> tokens, scores, parents [B, k]; row_tokens, row_scores [B, R, k]."""
     b, r, _ = logits.shape
     x = logits.float()
-    row_logit, row_ids = topk_low_index_first(x, k)                          # [B, R, k]
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)                            # [B, R, 1]
-    row_scores = parent_scores[..., None] + (row_logit - lse)                 # [B, R, k]
+    _, row_ids = topk_low_index_first(x, k)                                   # [B, R, k]
+    # log_softmax + gather rather than logsumexp: same math, and it parallelises over rows, not within one
+    # row (a within-row OpenMP reduction stalls badly on an oversubscribed 2-core host).
+    row_scores = parent_scores[..., None] + torch.log_softmax(x, dim=-1).gather(-1, row_ids)   # [B, R, k]
     flat = row_scores.reshape(b, r * k)
     # A stable descending sort keeps the lower (row, rank) position first among equal scores.
     order = torch.sort(flat, dim=-1, descending=True, stable=True).indices[:, :k]
@@ -87,11 +88,13 @@ def _topk_expand_torch(logits, parent_scores, k, d2t):
 def topk_low_index_first(x, k):
     """Top-k along the last dim ordered by (value desc, index asc); of values tied at the cut the lowest
     indices are kept."""
-    vals, ids = torch.topk(x, k, dim=-1)
-    if bool(((x >= vals[..., -1:]).sum(-1) > k).any()):
-        # Ties straddle the cut: only a stable full sort decides which indices are kept.
+    v = x.shape[-1]
+    vals, ids = torch.topk(x, min(k + 1, v), dim=-1)
+    if k < v and bool((vals[..., k] == vals[..., k - 1]).any()):
+        # The (k+1)-th value ties the k-th: only a stable full sort decides which indices are kept.
         s = torch.sort(x, dim=-1, descending=True, stable=True)
         return s.values[..., :k], s.indices[..., :k]
+    vals, ids = vals[..., :k], ids[..., :k]
     ids, perm = ids.sort(dim=-1)
     vals, perm = vals.gather(-1, perm).sort(dim=-1, descending=True, stable=True)
     return vals, ids.gather(-1, perm)

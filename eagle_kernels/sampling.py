@@ -25,7 +25,7 @@ def _row_param(name, value, lead, dtype, device):
     return t.expand(lead).reshape(-1)
 
 
-def _check_params(temperature, top_k, top_p):
+def _check_params(temperature, top_p):
     if bool((temperature <= 0).any()):
         _fail("temperature must be > 0 (greedy rows never reach sampling_probs)")
     if bool(((top_p <= 0) | (top_p > 1)).any()):
@@ -40,35 +40,50 @@ def sampling_probs(logits, temperature, top_k, top_p):
     temp = _row_param("temperature", temperature, lead, torch.float32, logits.device)
     kk = _row_param("top_k", top_k, lead, torch.int64, logits.device)
     pp = _row_param("top_p", top_p, lead, torch.float32, logits.device)
-    _check_params(temp, kk, pp)
+    _check_params(temp, pp)
     x = logits.reshape(-1, v).float() / temp[:, None]                          # [rows, V]
     kk = torch.where((kk <= 0) | (kk > v), v, kk)
     probs = torch.softmax(x, dim=-1)
-    if bool((pp < 1).any()):
-        probs = _truncate_sorted(probs, kk, pp)
-    elif bool((kk < v).any()):
-        probs = _truncate_topk(probs, kk)
-    return probs.reshape(logits.shape)
+    untouched = (kk >= v) & (pp >= 1)
+    if bool(untouched.all()):
+        return probs.reshape(logits.shape)
+    out = _truncate(probs, kk, pp, _window(kk, v))
+    if bool(untouched.any()):
+        out[untouched] = probs[untouched]
+    return out.reshape(logits.shape)
 
 
-def _truncate_topk(probs, kk):
-    """Top-k only: a partial top-k (no full sort) up to the largest k, then a rank mask."""
+# Rows without top-k look for their top-p cut among this many most probable tokens first and fall back to a
+# full sort only when the cut lies beyond it (rare for LM distributions): a partial top-k is far cheaper.
+_TOP_P_WINDOW = 1024
+
+
+def _window(kk, v):
+    """Candidates to rank: the largest top-k, or the top-p window when some row has no top-k; every row's
+    top-k must fit or be disabled, else all V."""
     kmax = int(kk.max())
-    vals, ids = topk_low_index_first(probs, kmax)
-    keep = torch.arange(kmax, device=probs.device)[None, :] < kk[:, None]
-    out = torch.zeros_like(probs).scatter_(1, ids, torch.where(keep, vals, 0.0))
-    return out / out.sum(-1, keepdim=True)
+    if kmax < v:
+        return kmax
+    c = min(v, _TOP_P_WINDOW)
+    return c if bool(((kk <= c) | (kk >= v)).all()) else v
 
 
-def _truncate_sorted(probs, kk, pp):
-    """Top-k and top-p on a stable descending sort of each row."""
-    sorted_p, ids = torch.sort(probs, dim=-1, descending=True, stable=True)    # [rows, V]
-    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    sorted_p = torch.where(rank < kk[:, None], sorted_p, 0.0)
-    total = sorted_p.sum(-1, keepdim=True)
-    before = torch.cumsum(sorted_p, dim=-1) - sorted_p                          # mass strictly above each rank
-    keep = (before < pp[:, None] * total) & (rank < kk[:, None])
+def _truncate(probs, kk, pp, c):
+    """Top-k then top-p over the c most probable tokens of each row, ranked by (prob desc, id asc)."""
+    v = probs.shape[-1]
+    if c < v:
+        vals, ids = topk_low_index_first(probs, c)                              # [rows, c]
+    else:
+        vals, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    rank = torch.arange(c, device=probs.device)[None, :]
+    vals = torch.where(rank < kk[:, None], vals, 0.0)
+    # Top-p is relative to the mass top-k kept; rows without top-k keep all of it.
+    total = torch.where(kk >= v, probs.sum(-1), vals.sum(-1))[:, None]
+    cum = torch.cumsum(vals, dim=-1)
+    keep = (cum - vals < pp[:, None] * total) & (rank < kk[:, None])            # mass strictly above < top_p
     keep[:, 0] = True
-    kept = torch.where(keep, sorted_p, 0.0)
-    out = torch.zeros_like(probs).scatter_(1, ids, kept)
-    return out / out.sum(-1, keepdim=True)
+    if c < v and not bool(((kk <= c) | (pp >= 1) | (cum[:, -1:] >= pp[:, None] * total)[:, 0]).all()):
+        return _truncate(probs, kk, pp, v)                                       # some cut lies past the window
+    kept = torch.where(keep, vals, 0.0)
+    # Normalise the [rows, c] survivors, not the [rows, V] result: full-size temporaries dominate on CPU.
+    return torch.zeros_like(probs).scatter_(1, ids, kept / kept.sum(-1, keepdim=True))

@@ -77,3 +77,30 @@ def ref_move_kv(k_cache, v_cache, src_slots, dst_slots):
     for (k, v), dst in zip(saved, dst_slots.tolist()):
         k_cache[dst // bs, dst % bs] = k
         v_cache[dst // bs, dst % bs] = v
+
+
+def ref_paged_attention_dense(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask=None,
+                              scale=None):
+    """Vectorised but unoptimised reference (fp32 math per sequence: token-level gather, repeated kv heads,
+    explicit [n, L] mask): the baseline the benchmarks time the fast paths against."""
+    hq, d = q.shape[1], q.shape[2]
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.empty_like(q)
+    for b in range(block_tables.shape[0]):
+        t0, t1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        prefix, n = int(prefix_lens[b]), t1 - t0
+        pos = torch.arange(prefix + n, device=q.device)
+        blocks = block_tables[b, pos // bs].long()
+        k = k_cache[blocks, pos % bs].float().repeat_interleave(hq // hkv, dim=1)   # [L, Hq, D]
+        v = v_cache[blocks, pos % bs].float().repeat_interleave(hq // hkv, dim=1)
+        allowed = torch.ones(n, prefix + n, dtype=torch.bool, device=q.device)
+        j = torch.arange(n, device=q.device)
+        if tree_mask is None:
+            allowed[:, prefix:] = j[None, :] <= j[:, None]
+        else:
+            allowed[:, prefix:] = (tree_mask[t0:t1, j // 32] >> (j % 32).int()) & 1 == 1
+        scores = torch.einsum("ihd,lhd->hil", q[t0:t1].float(), k) * scale
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        out[t0:t1] = torch.einsum("hil,lhd->ihd", probs, v).to(q.dtype)
+    return out

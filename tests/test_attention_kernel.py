@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 import eagle_kernels.attention as attention  # noqa: E402
 from kernel_refs_attention import (ancestor_mask_bits, random_bfs_parents, ref_move_kv,  # noqa: E402
-                                   ref_paged_attention, ref_write_kv)
+                                   ref_paged_attention, ref_paged_attention_dense, ref_write_kv)
 
 if attention.triton is not None and not torch.cuda.is_available() and \
         "Interpret" not in type(attention._paged_attention_kernel).__name__:
@@ -98,6 +98,12 @@ def test_paged_attention_bf16_triton(tree):
     check_close(attention.paged_attention_triton(*to_dev(args)), ref_paged_attention(*args), torch.bfloat16)
 
 
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+def test_dense_benchmark_reference_matches_naive(tree):
+    args = make_batch([0, 16, 37], [1, 5, 17], 9, 3, 64, torch.float32, tree)
+    check_close(ref_paged_attention_dense(*args), ref_paged_attention(*args), torch.float32)
+
+
 def test_custom_scale_and_decode_batch_paths():
     # Decode batch (T == B) takes the padded batched torch path and the 1-token Triton tiling.
     args = make_batch([3, 0, 50], [1, 1, 1], 9, 3, 64, torch.float32, False, seed=3)
@@ -167,7 +173,7 @@ def bad_inputs():
     ]
 
 
-@pytest.mark.parametrize("fn", ["paged_attention", "paged_attention_triton"])
+@pytest.mark.parametrize("fn", ["paged_attention", "paged_attention_torch", "paged_attention_triton"])
 def test_bad_inputs_raise(fn):
     if fn == "paged_attention_triton" and not HAS_TRITON:
         pytest.skip("Triton not installed")

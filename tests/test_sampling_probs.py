@@ -105,3 +105,16 @@ def test_bad_inputs_raise(message, kwargs):
     args = dict(logits=torch.randn(2, 5), temperature=1.0, top_k=0, top_p=1.0) | kwargs
     with pytest.raises(ValueError, match=message):
         sampling_probs(**args)
+
+
+def test_top_p_window_and_full_sort_fallback():
+    # V > the top-p window: a peaked row resolves inside it, a flat row's cut lies beyond it (full sort).
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 3000, generator=gen)
+    logits[0] *= 6
+    logits[2] *= 0.01
+    top_k, top_p = torch.tensor([0, 30, 0]), torch.tensor([0.8, 0.95, 0.9])
+    for rows in (slice(0, 2), slice(0, 3)):  # resolved inside the window / one row forces the fallback
+        out = sampling_probs(logits[rows], 1.0, top_k[rows], top_p[rows])
+        check(out, ref_probs(logits[rows], 1.0, top_k[rows], top_p[rows]))
+    assert (out[2] > 0).sum() > 1024
