@@ -114,7 +114,8 @@ def _paged_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, pref
     bs = k_cache.shape[1]
     cu = cu_seqlens_q.tolist()
     prefixes = prefix_lens.tolist()
-    if tree_mask is None and q.shape[0] == len(prefixes) > 1 and max(prefixes) < _BATCHED_DECODE_MAX_LEN:
+    one_token_each = cu == list(range(len(prefixes) + 1))
+    if tree_mask is None and one_token_each and len(prefixes) > 1 and max(prefixes) < _BATCHED_DECODE_MAX_LEN:
         return _decode_batched(q, k_cache, v_cache, block_tables, prefixes, scale)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k_cache.shape[2]

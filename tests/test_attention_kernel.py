@@ -113,6 +113,15 @@ def test_custom_scale_and_decode_batch_paths():
         check_close(attention.paged_attention_triton(*to_dev(args), scale=0.3), ref, torch.float32)
 
 
+def test_empty_sequence_in_batch():
+    # T == B without every sequence decoding one token (n = 0 and n = 2): must not take the decode paths' shortcut.
+    args = make_batch([5, 20], [0, 2], 9, 3, 64, torch.float32, False, seed=4)
+    ref = ref_paged_attention(*args)
+    check_close(attention.paged_attention(*args), ref, torch.float32)
+    if HAS_TRITON:
+        check_close(attention.paged_attention_triton(*to_dev(args)), ref, torch.float32)
+
+
 def test_write_then_attend_matches_dense_causal_attention():
     """Engine-style use: write K/V through slot_mapping, then prefill attention == dense causal SDPA."""
     gen = torch.Generator().manual_seed(5)
