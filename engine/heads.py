@@ -209,6 +209,9 @@ class Eagle3Head(DraftHead):
 
     def __init__(self, cfg: LlamaConfig, target: Llama, draft_vocab_size: int | None = None):
         super().__init__(cfg, target)
+        if len(set(self.capture)) != 3:
+            raise ValueError(f"EAGLE-3 fuses three distinct target layers; a {target.cfg.num_layers}-layer "
+                             f"target gives {self.capture}")
         H, V = cfg.hidden_size, cfg.vocab_size
         Vd = draft_vocab_size or V
         if not 0 < Vd <= V:

@@ -58,7 +58,14 @@ class RunStats:
 
 
 DecoderFactory = Callable[["LLM"], object]
-METHODS: dict[str, DecoderFactory] = {"vanilla": lambda llm: VanillaDecoder(llm.runner, llm.sampler)}
+from . import speculative  # noqa: E402  (the speculative methods' factories; it never imports this module)
+METHODS: dict[str, DecoderFactory] = {
+    "vanilla": lambda llm: VanillaDecoder(llm.runner, llm.sampler),
+    "sps": lambda llm: speculative.make_sps(llm),
+    "eagle": lambda llm: speculative.make_eagle(llm, "eagle"),
+    "eagle3": lambda llm: speculative.make_eagle(llm, "eagle3"),
+    "auto": lambda llm: speculative.make_auto(llm) or METHODS["vanilla"](llm),  # EAGLE-3 if a head ships
+}
 
 
 class LLM:

@@ -22,7 +22,7 @@ EAGLE3_KEYS = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
 
 def tiny_target(seed=0, **overrides) -> Llama:
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=6, num_heads=4,
+    cfg = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=8, num_heads=4,
                num_kv_heads=2, head_dim=8, max_position=128)
     cfg.update(overrides)
     return Llama(LlamaConfig(**cfg)).eval()
@@ -116,7 +116,7 @@ def test_forward_shapes():
         assert out.shape == (2, 7, 32) and k.shape == v.shape == (2, 2, 7, 8)
         assert head.logits(out).shape == (2, 7, vocab) and head.logits(out).dtype == torch.float32
     captured = [torch.randn(7, 32) for _ in e3.capture]
-    assert e3.capture == (2, 3, 3) and e3.target_feature(None, captured).shape == (7, 32)
+    assert e3.capture == (2, 4, 5) and e3.target_feature(None, captured).shape == (7, 32)
     feature = torch.randn(7, 32)
     assert e1.capture == () and e1.target_feature(feature, []) is feature
     draft_ids = torch.arange(20)
