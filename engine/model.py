@@ -33,9 +33,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; same math as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * xf.to(x.dtype)  # HF rounds to the model dtype before the weight
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -89,11 +91,11 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, meta: AttnMeta):
         # x: [T, in_dim]
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
-        q = apply_rope(q.view(T, self.nq, self.hd), cos, sin)
-        k = apply_rope(k.view(T, self.nkv, self.hd), cos, sin)
+        qkv = self.qkv_proj(x).view(T, self.nq + 2 * self.nkv, self.hd)
+        qk = apply_rope(qkv[:, :self.nq + self.nkv], cos, sin)  # q and k heads rotated in one pass
+        q, k, v = qk[:, :self.nq], qk[:, self.nq:], qkv[:, self.nq + self.nkv:]
         k_cache, v_cache = kv_cache
-        eagle_kernels.write_kv(k, v.view(T, self.nkv, self.hd), k_cache, v_cache, meta.slot_mapping)
+        eagle_kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = eagle_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                           meta.prefix_lens, meta.tree_mask)
         return self.o_proj(o.reshape(T, self.nq * self.hd))
