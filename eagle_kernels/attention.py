@@ -3,6 +3,7 @@
 Contracts: DESIGN.md ("paged_attention", "write_kv", "move_kv"). `paged_attention` runs the Triton kernel for
 CUDA tensors when Triton is importable and the torch path otherwise (CPU: one fused SDPA call per sequence).
 """
+import functools
 import math
 import os
 
@@ -23,7 +24,7 @@ def _fail(msg):
 
 
 def _check_paged_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask):
-    """Shape/dtype/device checks that need no host sync; returns (B, W) with W = words per mask row."""
+    """Shape/dtype/device checks that need no host sync; returns the batch size B."""
     if q.dim() != 3:
         _fail(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -44,15 +45,13 @@ def _check_paged_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_le
         _fail(f"cu_seqlens_q must be int32 [B + 1] = [{b + 1}], got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}")
     if prefix_lens.dtype != torch.int32 or tuple(prefix_lens.shape) != (b,):
         _fail(f"prefix_lens must be int32 [B] = [{b}], got {prefix_lens.dtype} {tuple(prefix_lens.shape)}")
-    w = 0
-    if tree_mask is not None:
-        if tree_mask.dtype != torch.int32 or tree_mask.dim() != 2 or tree_mask.shape[0] != q.shape[0]:
-            _fail(f"tree_mask must be int32 [T={q.shape[0]}, W], got {tree_mask.dtype} {tuple(tree_mask.shape)}")
-        w = tree_mask.shape[1]
+    if tree_mask is not None and (tree_mask.dtype != torch.int32 or tree_mask.dim() != 2
+                                  or tree_mask.shape[0] != q.shape[0]):
+        _fail(f"tree_mask must be int32 [T={q.shape[0]}, W], got {tree_mask.dtype} {tuple(tree_mask.shape)}")
     tensors = [k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens] + ([tree_mask] if tree_mask is not None else [])
     if any(t.device != q.device for t in tensors):
         _fail(f"all tensors must be on {q.device}, got {[str(t.device) for t in tensors]}")
-    return b, w
+    return b
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask=None, scale=None):
@@ -165,6 +164,9 @@ def _decode_batched(q, k_cache, v_cache, block_tables, prefixes, scale):
 # tokens (causal or ancestor bits). Ancestors precede their descendants in BFS order, so both rules only ever
 # admit new keys j <= i and the second loop stops at the tile's last query: mask work is O(n^2), independent
 # of the context length.
+# When those programs cannot fill the GPU (small-batch decode, one tree), the prefix is split into
+# NUM_SPLITS key ranges (flash-decoding): each split writes an unnormalised partial (m, l, acc) and a
+# second kernel merges the partials; the last split also owns the new-token keys.
 
 if triton is not None:
     @triton.jit
@@ -189,14 +191,15 @@ if triton is not None:
 
     @triton.jit
     def _paged_attention_kernel(
-            q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, prefix_ptr, mask_ptr,
-            s_qt, s_qh, s_blk, s_off, s_head, s_bt, s_mask, qk_scale,
+            q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, prefix_ptr, mask_ptr, part_ptr, ml_ptr,
+            s_qt, s_qh, s_blk, s_off, s_head, s_bt, s_mask, qk_scale, split_len, num_q_heads,
             G: tl.constexpr, G_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            TREE: tl.constexpr, DOT_PREC: tl.constexpr):
+            TREE: tl.constexpr, DOT_PREC: tl.constexpr, NUM_SPLITS: tl.constexpr):
         b = tl.program_id(0)
         m_start = tl.program_id(1) * BLOCK_M
-        kv_head = tl.program_id(2)
+        kv_head = tl.program_id(2) // NUM_SPLITS
+        split = tl.program_id(2) % NUM_SPLITS
         t0 = tl.load(cu_ptr + b)
         n = tl.load(cu_ptr + b + 1) - t0
         if m_start >= n:
@@ -219,10 +222,12 @@ if triton is not None:
         acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
         offs_n = tl.arange(0, BLOCK_N)
 
-        # Cached prefix: every query sees every prefix key.
-        for start in range(0, prefix, BLOCK_N):
+        # Cached prefix keys [lo, hi) of this split: every query sees every prefix key.
+        lo = split * split_len
+        hi = tl.minimum(prefix, lo + split_len)
+        for start in range(lo, hi, BLOCK_N):
             pos = start + offs_n
-            valid = pos < prefix
+            valid = pos < hi
             k = _load_kv_tile(k_ptr, bt_row, pos, valid, kv_head, offs_d, d_valid, s_blk, s_off, s_head, BS)
             v = _load_kv_tile(v_ptr, bt_row, pos, valid, kv_head, offs_d, d_valid, s_blk, s_off, s_head, BS)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
@@ -230,7 +235,7 @@ if triton is not None:
             m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, v.dtype, DOT_PREC)
 
         # New tokens j < min(n, tile end): causal (j <= i) or bit j of the row's ancestor mask.
-        n_hi = tl.minimum(n, m_start + BLOCK_M)
+        n_hi = tl.where(split == NUM_SPLITS - 1, tl.minimum(n, m_start + BLOCK_M), 0)
         for start in range(0, n_hi, BLOCK_N):
             j = start + offs_n
             valid = j < n_hi
@@ -247,9 +252,38 @@ if triton is not None:
             qk = tl.where(seen & valid[None, :], qk, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, v.dtype, DOT_PREC)
 
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_ptrs = out_ptr + (t0 + qi)[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+        io_mask = row_valid[:, None] & d_valid[None, :]
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            o_ptrs = out_ptr + (t0 + qi)[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :]
+            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+        else:
+            # Partials: part [T, Hq, NUM_SPLITS, D] (unnormalised acc), ml [T, Hq, NUM_SPLITS, 2] (m, l).
+            slot = ((t0 + qi) * num_q_heads + head) * NUM_SPLITS + split
+            tl.store(part_ptr + slot[:, None] * D + offs_d[None, :], acc, mask=io_mask)
+            tl.store(ml_ptr + slot * 2, m_i, mask=row_valid)
+            tl.store(ml_ptr + slot * 2 + 1, l_i, mask=row_valid)
+
+    @triton.jit
+    def _merge_splits_kernel(part_ptr, ml_ptr, out_ptr, s_qt, s_qh, num_q_heads,
+                             D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                             S_PAD: tl.constexpr):
+        """One (token, q head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, S_PAD)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_valid = offs_s < NUM_SPLITS
+        slot = (t * num_q_heads + h) * NUM_SPLITS + offs_s
+        m = tl.load(ml_ptr + slot * 2, mask=s_valid, other=float("-inf"))
+        l = tl.load(ml_ptr + slot * 2 + 1, mask=s_valid, other=0.0)
+        acc = tl.load(part_ptr + slot[:, None] * D + offs_d[None, :], mask=s_valid[:, None] & (offs_d < D)[None, :],
+                      other=0.0)
+        m_max = tl.max(m, axis=0)
+        w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))   # 0 for empty splits (m = -inf)
+        denom = tl.sum(w * l, axis=0)
+        out = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom == 0.0, 1.0, denom)
+        tl.store(out_ptr + t * s_qt + h * s_qh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
 def _interpreting():
@@ -268,10 +302,35 @@ def _check_triton_args(tensors, names):
             _fail(f"{name} must be contiguous (strides {tuple(t.stride())})")
 
 
+# Split-KV heuristics: aim for ~2 programs per SM, never split below this many keys or beyond 16 ways.
+_MIN_SPLIT_KEYS = 256
+_MAX_SPLITS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _split_plan(q, programs, max_ctx, block_n, num_splits):
+    """(splits, keys per split, a multiple of block_n). max_ctx = what the block table can address: a bound
+    known without reading prefix_lens on the host. Splits past a sequence's prefix find no keys."""
+    if num_splits is None:
+        num_splits = 1
+        if q.is_cuda:
+            num_splits = min(_MAX_SPLITS, triton.cdiv(2 * _sm_count(q.device.index or 0), programs),
+                             triton.cdiv(max_ctx, _MIN_SPLIT_KEYS))
+    if num_splits <= 1:
+        return 1, 2**30  # one range covering any prefix
+    split_len = triton.cdiv(triton.cdiv(max_ctx, num_splits), block_n) * block_n
+    return triton.cdiv(max_ctx, split_len), split_len
+
+
 def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask=None,
-                           scale=None):
-    """The Triton kernel behind paged_attention for CUDA tensors; same contract. Launches once, no host sync."""
-    b, _ = _check_paged_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask)
+                           scale=None, *, num_splits=None):
+    """The Triton kernel behind paged_attention for CUDA tensors; same contract, no host sync. One launch, or
+    two when the prefix is split across programs (num_splits: None = by occupancy, 1 = never)."""
+    b = _check_paged_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask)
     _check_triton_args((q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask),
                        ("q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "prefix_lens", "tree_mask"))
     t, hq, d = q.shape
@@ -289,16 +348,24 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, pref
     block_m = max(1, (16 if t == b else 64) // g_pad)
     block_d = max(16, triton.next_power_of_2(d))
     block_n = 64 if block_d <= 64 else 32
-    grid = (b, triton.cdiv(t, block_m), hkv)
-    _paged_attention_kernel[grid](
+    programs = b * hkv * triton.cdiv(triton.cdiv(t, b), block_m)
+    splits, split_len = _split_plan(q, programs, block_tables.shape[1] * bs, block_n, num_splits)
+    part = ml = out  # unused placeholders when not splitting
+    if splits > 1:
+        part = torch.empty(t, hq, splits, d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(t, hq, splits, 2, dtype=torch.float32, device=q.device)
+    _paged_attention_kernel[(b, triton.cdiv(t, block_m), hkv * splits)](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, prefix_lens,
-        tree_mask if tree_mask is not None else cu_seqlens_q,
+        tree_mask if tree_mask is not None else cu_seqlens_q, part, ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        tree_mask.stride(0) if tree_mask is not None else 0, scale * 1.4426950408889634,
+        tree_mask.stride(0) if tree_mask is not None else 0, scale * 1.4426950408889634, split_len, hq,
         G=g, G_PAD=g_pad, BS=bs, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         # fp32 must not be rounded to tf32 (the 1e-5 contract); the setting is inert for 16-bit inputs.
-        TREE=tree_mask is not None, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        TREE=tree_mask is not None, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", NUM_SPLITS=splits,
     )
+    if splits > 1:
+        _merge_splits_kernel[(t, hq)](part, ml, out, out.stride(0), out.stride(1), hq, D=d, BLOCK_D=block_d,
+                                      NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits))
     return out
 
 

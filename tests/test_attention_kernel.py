@@ -85,6 +85,17 @@ def test_paged_attention_fp32_fp16(scenario, heads, tree):
             check_close(attention.paged_attention_triton(*to_dev(args)), ref, dtype)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton not installed")
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+@pytest.mark.parametrize("scenario", SCENARIOS + [([150, 200], [1, 3])], ids=lambda s: f"p{s[0]}-n{s[1]}")
+def test_triton_split_kv(scenario, tree):
+    # Forced splits of the prefix (64-key ranges here): empty splits, splits ending mid-block, prefix 0.
+    for dtype in (torch.float32, torch.float16):
+        args = make_batch(*scenario, 9, 3, 64, dtype, tree)
+        out = attention.paged_attention_triton(*to_dev(args), num_splits=4)
+        check_close(out, ref_paged_attention(*args), dtype)
+
+
 @pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
 def test_paged_attention_bf16_torch_path(tree):
     args = make_batch([0, 16, 37], [1, 5, 17], 9, 3, 64, torch.bfloat16, tree)
