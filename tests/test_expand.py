@@ -67,20 +67,20 @@ def check(out, ref, dtype):
     assert out[1].dtype == out[4].dtype == torch.float32
 
 
-CASES = [  # (R, V, k, d2t): R = 1 and R = k, draft vocab with and without d2t, V not a multiple of chunks
-    (1, 100, 4, False),
-    (4, 300, 4, True),
-    (8, 1000, 8, False),
-    (3, 40, 16, True),
+CASES = [  # (R, V, k, d2t, dtype): R = 1 and R = k, with and without d2t, V not a multiple of chunks
+    (1, 100, 4, False, torch.float32),
+    (4, 300, 4, True, torch.float16),
+    (8, 1000, 8, False, torch.float32),
+    (3, 40, 16, True, torch.float32),
+    (2, 500, 5, False, torch.bfloat16),
 ]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"R{c[0]}-V{c[1]}-k{c[2]}-d2t{int(c[3])}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"R{c[0]}-V{c[1]}-k{c[2]}-d2t{int(c[3])}-{str(c[4])[6:]}")
 def test_matches_reference(impl, case):
-    r, v, k, use_d2t = case
+    r, v, k, use_d2t, dtype = case
     gen = torch.Generator().manual_seed(r * 1000 + v)
-    dtype = torch.float16 if r == 4 else torch.float32
     logits = (torch.randn(r, v, generator=gen) * 3).to(dtype)
     parent_scores = -torch.rand(r, generator=gen) * 4
     d2t = torch.randint(0, 5000, (v,), generator=gen) if use_d2t else None
