@@ -57,7 +57,7 @@ def topk_expand(logits, parent_scores, k, d2t=None):
     batched = logits.dim() == 3
     if not batched:
         logits, parent_scores = logits[None], parent_scores[None]
-    run = _topk_expand_triton if logits.is_cuda and triton is not None else _topk_expand_torch
+    run = _topk_expand_triton if logits.is_cuda and triton is not None and k <= _MAX_K else _topk_expand_torch
     out = run(logits, parent_scores, k, d2t)
     if not batched:
         out = [t[0] for t in out]
@@ -111,14 +111,15 @@ def topk_low_index_first(x, k):
 # ----------------------------------------------------------------------------------------------------------
 
 _MAX_K = 16
-_NO_ID = 2**31 - 1  # key of an empty / retired candidate slot
 
 if triton is not None:
+    _NO_ID = tl.constexpr(2**31 - 1)  # key of an empty / exhausted candidate slot
+
     @triton.jit
     def _select(vals, keys, alive):
         """Maximum of vals over alive slots and the lowest key holding it (_NO_ID when none is alive)."""
         best = tl.max(tl.where(alive, vals, float("-inf")), axis=0)
-        key = tl.min(tl.where(alive & (vals == best), keys, 2147483647), axis=0)
+        key = tl.min(tl.where(alive & (vals == best), keys, _NO_ID), axis=0)
         return best, key
 
     @triton.jit
@@ -136,7 +137,7 @@ if triton is not None:
         tl.store(csum_ptr + row * NC + chunk, tl.sum(tl.exp(x - cmax_sub), axis=0))
         offs_k = tl.arange(0, K_PAD)
         top_v = tl.full([K_PAD], float("-inf"), tl.float32)
-        top_id = tl.full([K_PAD], 2147483647, tl.int32)
+        top_id = tl.full([K_PAD], _NO_ID, tl.int32)
         for it in tl.static_range(K):
             best, key = _select(x, offs, alive)
             top_v = tl.where(offs_k == it, best, top_v)
@@ -156,7 +157,7 @@ if triton is not None:
         offs_c = tl.arange(0, NC_PAD)
         offs_cand = tl.arange(0, CAND)
         g_val = tl.full([K_PAD], float("-inf"), tl.float32)      # running global top-k: score,
-        g_key = tl.full([K_PAD], 2147483647, tl.int32)          # row * K + rank,
+        g_key = tl.full([K_PAD], _NO_ID, tl.int32)          # row * K + rank,
         g_id = tl.zeros([K_PAD], tl.int32)                      # draft id
         for r in range(R):
             row = b * R + r
@@ -165,16 +166,16 @@ if triton is not None:
             m = tl.max(cmax, axis=0)
             m_sub = tl.where(m == float("-inf"), 0.0, m)
             lse = m_sub + tl.log(tl.sum(csum * tl.exp(cmax - m_sub), axis=0))
-            shift = tl.load(parent_ptr + row) - lse             # cumulative score = parent + logit - lse
+            parent = tl.load(parent_ptr + row)
             cval = tl.load(cval_ptr + row * NC * K_PAD + offs_cand, mask=offs_cand < NC * K_PAD,
                            other=float("-inf"))
-            cid = tl.load(cid_ptr + row * NC * K_PAD + offs_cand, mask=offs_cand < NC * K_PAD, other=2147483647)
-            alive = cid != 2147483647
+            cid = tl.load(cid_ptr + row * NC * K_PAD + offs_cand, mask=offs_cand < NC * K_PAD, other=_NO_ID)
+            alive = cid != _NO_ID
             r_val = tl.full([K_PAD], float("-inf"), tl.float32)
             r_id = tl.zeros([K_PAD], tl.int32)
             for it in tl.static_range(K):
                 best, key = _select(cval, cid, alive)
-                r_val = tl.where(offs_k == it, best + shift, r_val)
+                r_val = tl.where(offs_k == it, (best - lse) + parent, r_val)   # cumulative score
                 r_id = tl.where(offs_k == it, key, r_id)
                 alive = alive & (cid != key)
             r_tok = r_id.to(tl.int64)
@@ -187,7 +188,7 @@ if triton is not None:
             g_alive = offs_k < K
             r_alive = offs_k < K
             n_val = tl.full([K_PAD], float("-inf"), tl.float32)
-            n_key = tl.full([K_PAD], 2147483647, tl.int32)
+            n_key = tl.full([K_PAD], _NO_ID, tl.int32)
             n_id = tl.zeros([K_PAD], tl.int32)
             for it in tl.static_range(K):
                 gb, gk = _select(g_val, g_key, g_alive)
