@@ -16,25 +16,31 @@ namespace {
 
 constexpr int64_t kSeg = kCdfSegment;
 
-// The distribution sampled at the current node (unnormalised), with its segment sums.
+// The distribution sampled at the current node (unnormalised), with its segment sums. It reads the
+// target row in place and copies it only when a rejection modifies it.
 class Distribution {
  public:
-  explicit Distribution(int64_t V) : p_(V), seg_((V + kSeg - 1) / kSeg) {}
+  explicit Distribution(int64_t V) : V_(V), buf_(V), seg_((V + kSeg - 1) / kSeg) {}
 
   void load(const float* p) {
-    std::copy(p, p + p_.size(), p_.begin());
+    row_ = p;
     refresh_all();
   }
   // max(0, p - q): what remains of the target after a rejected draft drawn from q.
   void load_residual(const float* p, const float* q) {
-    for (size_t i = 0; i < p_.size(); ++i) p_[i] = std::max(0.f, p[i] - q[i]);
+    for (int64_t i = 0; i < V_; ++i) buf_[i] = std::max(0.f, p[i] - q[i]);
+    row_ = buf_.data();
     refresh_all();
   }
   void remove(int64_t x) {
-    p_[x] = 0.f;
+    if (row_ != buf_.data()) {
+      std::copy(row_, row_ + V_, buf_.begin());
+      row_ = buf_.data();
+    }
+    buf_[x] = 0.f;
     refresh(x / kSeg);
   }
-  float at(int64_t i) const { return p_[i]; }
+  float at(int64_t i) const { return row_[i]; }
   float total() const {
     float acc = 0.f;
     for (float s : seg_) acc += s;
@@ -43,19 +49,34 @@ class Distribution {
   int64_t draw(float u) const;
 
  private:
+  static constexpr int64_t kLanes = 8;  // segments summed side by side: independent add chains
+
   int64_t begin(int64_t s) const { return s * kSeg; }
-  int64_t end(int64_t s) const { return std::min<int64_t>((s + 1) * kSeg, p_.size()); }
+  int64_t end(int64_t s) const { return std::min((s + 1) * kSeg, V_); }
   void refresh(int64_t s) {
     float acc = 0.f;
-    for (int64_t i = begin(s); i < end(s); ++i) acc += p_[i];
+    for (int64_t i = begin(s); i < end(s); ++i) acc += row_[i];
     seg_[s] = acc;
   }
+  // Each segment is still summed sequentially; interleaving kLanes of them only hides add latency.
   void refresh_all() {
-    for (size_t s = 0; s < seg_.size(); ++s) refresh(s);
+    const int64_t full = V_ / kSeg;
+    int64_t s = 0;
+    for (; s + kLanes <= full; s += kLanes) {
+      float acc[kLanes] = {};
+      const float* base = row_ + s * kSeg;
+      for (int64_t k = 0; k < kSeg; ++k) {
+        for (int64_t j = 0; j < kLanes; ++j) acc[j] += base[j * kSeg + k];
+      }
+      std::copy(acc, acc + kLanes, seg_.begin() + s);
+    }
+    for (; s < static_cast<int64_t>(seg_.size()); ++s) refresh(s);
   }
 
-  std::vector<float> p_;    // [V]
-  std::vector<float> seg_;  // [ceil(V / kSeg)]
+  int64_t V_;
+  const float* row_ = nullptr;  // [V]: the target row, or buf_ once modified
+  std::vector<float> buf_;      // [V]
+  std::vector<float> seg_;      // [ceil(V / kSeg)]
 };
 
 // Inverse CDF in the canonical order; -1 only if nothing has mass.
@@ -67,14 +88,14 @@ int64_t Distribution::draw(float u) const {
     if (after > threshold) {
       float inner = 0.f;
       for (int64_t i = begin(s); i < end(s); ++i) {
-        inner += p_[i];
+        inner += row_[i];
         if (before + inner > threshold) return i;
       }
     }
     before = after;
   }
-  for (int64_t i = static_cast<int64_t>(p_.size()) - 1; i >= 0; --i) {
-    if (p_[i] > 0.f) return i;
+  for (int64_t i = V_ - 1; i >= 0; --i) {
+    if (row_[i] > 0.f) return i;
   }
   return -1;
 }
@@ -213,7 +234,8 @@ AcceptResult tree_accept_sample_cpu(const at::Tensor& parents_in, const at::Tens
   check_token_values(tokens.data_ptr<int64_t>(), sizes.data_ptr<int32_t>(), B, N, V);
 
   auto [path, len, next] = alloc_result(parents);
-  at::parallel_for(0, B, 64, [&](int64_t b0, int64_t b1) {
+  // Requests are independent; small vocabularies batch many per task.
+  at::parallel_for(0, B, std::max<int64_t>(1, (1 << 16) / V), [&](int64_t b0, int64_t b1) {
     Distribution dist(V);
     for (int64_t b = b0; b < b1; ++b) {
       const Request r{parents.data_ptr<int32_t>() + b * N, tokens.data_ptr<int64_t>() + b * N,

@@ -20,7 +20,8 @@ from eagle_kernels._ops import has_kernel
 from kernel_refs_tree import batch_trees, random_bfs_parents, ref_tree_accept_greedy, ref_tree_accept_sample
 
 CUDA = torch.cuda.is_available()
-GRID = [(B, N, V) for B in (1, 4) for N in (1, 64) for V in (8, 300)]  # V = 300 spans two CDF segments
+# V = 300 spans two CDF segments; V = 2500 has more than the 8 full segments the C++ op sums side by side.
+GRID = [(B, N, V) for B in (1, 4) for N in (1, 64) for V in (8, 300)] + [(4, 64, 2500)]
 TRITON_GRID = [(1, 1, 8), (4, 16, 8), (4, 16, 300), (2, 64, 8)]
 
 
