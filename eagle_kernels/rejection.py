@@ -203,10 +203,12 @@ if triton is not None:
         while (c < n) & (child < 0):
             if tl.load(par + c) == cur:
                 x = tl.load(tok + c)
-                if tl.load(unif + c) < tl.math.div_rn(tl.load(work + x), _total(seg, nseg)):
+                in_vocab = (x >= 0) & (x < V)  # out-of-vocabulary drafts read as p(x) = 0: rejected
+                px = tl.load(work + x, mask=in_vocab, other=0.0)
+                if tl.load(unif + c) < tl.math.div_rn(px, _total(seg, nseg)):
                     child = c
                 else:
-                    tl.store(work + x, 0.0)
+                    tl.store(work + x, 0.0, mask=in_vocab)
                     _segment_pass(work, work, work, seg, V, False, False, SEG, LANES)
             c += 1
         return child
@@ -222,8 +224,10 @@ if triton is not None:
         use_p = c >= n
         if c < n:
             x = tl.load(tok + c)
+            in_vocab = (x >= 0) & (x < V)  # out-of-vocabulary drafts read as 0 / 0: rejected
             q = draft + c.to(tl.int64) * V
-            if tl.load(unif + c) < tl.math.div_rn(tl.load(row + x), tl.load(q + x)):
+            px = tl.load(row + x, mask=in_vocab, other=0.0)
+            if tl.load(unif + c) < tl.math.div_rn(px, tl.load(q + x, mask=in_vocab, other=0.0)):
                 child = c
             else:
                 _segment_pass(row, q, work, seg, V, True, True, SEG, LANES)

@@ -101,6 +101,20 @@ def test_grid_cases_accept_and_reject(with_draft):
     assert lengths.min() == 0 and lengths.max() >= 3, lengths.tolist()
 
 
+def edge_uniform_cases() -> list[dict]:
+    """u0 = 0 draws the first token with mass; u0 = 1 (outside the contract) makes u0 * total unreachable,
+    which exercises the last-positive-token fallback; truncation puts zeros at both ends of the CDF."""
+    base = make_case(4, 16, 300, seed=3, truncate=True)
+    return [{**base, "uniforms": base["uniforms"].index_fill(1, torch.tensor([0]), u0)} for u0 in (0.0, 1.0)]
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_edge_uniforms_match_reference(with_draft):
+    for case in edge_uniform_cases():
+        args = sample_args(case, with_draft)
+        assert mismatch(tree_accept_sample(**args), ref_tree_accept_sample(**args)) is None
+
+
 def test_sampling_with_one_hot_targets_is_greedy():
     case = make_case(4, 64, 50, seed=7)
     one_hot = torch.nn.functional.one_hot(case["target_probs"].argmax(-1), 50).float()
@@ -127,8 +141,13 @@ def _triton_interpreter_check():
             args = sample_args(case, with_draft)
             failures.append(("sample", with_draft, B, N, V, mismatch(
                 tree_accept_sample(**args, backend="triton"), ref_tree_accept_sample(**args))))
+    for case in edge_uniform_cases():
+        for with_draft in (False, True):
+            args = sample_args(case, with_draft)
+            failures.append(("edge-uniforms", with_draft, mismatch(tree_accept_sample(**args, backend="triton"),
+                                                                    ref_tree_accept_sample(**args))))
     failures = [f for f in failures if f[-1] is not None]
-    print("\n".join(map(str, failures)) or f"Triton matches the reference on {TRITON_GRID}")
+    print("\n".join(map(str, failures)) or f"Triton matches the reference on {TRITON_GRID} and edge uniforms")
     sys.exit(1 if failures else 0)
 
 
