@@ -18,7 +18,7 @@ except ImportError:
     triton = None
 
 CDF_SEGMENT = 256  # csrc/cdf_order.h: kCdfSegment
-_MIN_LANES = 16
+_MIN_LANES = 16  # segment lanes per Triton program: at least a few per warp, even for tiny vocabularies
 
 
 class AcceptResult(NamedTuple):
@@ -98,6 +98,8 @@ def _next_pow2(x: int) -> int:
 def _greedy_triton(parents, tokens, sizes, target_argmax) -> AcceptResult:
     B, N = parents.shape
     out = _alloc_result(B, N, parents.device)
+    if B == 0:
+        return out
     _tree_accept_greedy_kernel[(B,)](
         parents.contiguous(), tokens.contiguous(), sizes.contiguous(), target_argmax.contiguous(),
         *out, N, BLOCK_N=_next_pow2(N), num_warps=1)
@@ -112,6 +114,8 @@ def _sample_triton(parents, tokens, sizes, target_probs, uniforms, draft_probs) 
     work = torch.empty(B, V, dtype=torch.float32, device=parents.device)      # current distribution
     seg = torch.empty(B, lanes, dtype=torch.float32, device=parents.device)   # its segment sums
     out = _alloc_result(B, N, parents.device)
+    if B == 0:
+        return out
     _tree_accept_sample_kernel[(B,)](
         parents.contiguous(), tokens.contiguous(), sizes.contiguous(), probs,
         probs if draft_probs is None else draft_probs.contiguous(), uniforms.contiguous(), work, seg,
