@@ -5,6 +5,7 @@ GPU peaks come from a table of datasheet HBM/GDDR bandwidths keyed by device-nam
 this machine can actually stream.
 """
 import functools
+import os
 import sys
 import time
 from pathlib import Path
@@ -76,5 +77,9 @@ def bandwidth(benchmark):
 def pytest_terminal_summary(terminalreporter):
     if _REPORT:
         terminalreporter.section("achieved bandwidth (bytes moved / median time)")
+        # On a shared 2-core host, 2 intra-op threads stall on each other's neighbours (10-30x slower
+        # medians under load); OMP_NUM_THREADS=1 gives stable CPU numbers.
+        terminalreporter.write_line(f"torch threads: {torch.get_num_threads()}, "
+                                    f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
         for line in _REPORT:
             terminalreporter.write_line(line)
