@@ -1,9 +1,14 @@
 """Shared fixtures: the real SmolLM2 target (loaded once per session) and tiny synthetic checkpoints."""
-import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in the interpreter. Triton reads this when a kernel module is
+# imported, so it is set here, before any test module imports eagle_kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
