@@ -118,11 +118,10 @@ def head_input(head: DraftHead, batch: dict) -> torch.Tensor:
     return head.target_feature(batch["feature"].to(dtype), [batch["hidden"].to(dtype)])
 
 
-def draft_targets(head: Eagle3Head, lm_weight: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
-    """The target's distribution renormalised over the draft vocabulary: softmax of the LM head rows of
-    the draft tokens only (the other rows cancel in the renormalisation). -> fp32 [.., Vd]"""
-    rows = lm_weight[torch.arange(head.d2t.shape[0], device=lm_weight.device) + head.d2t]
-    return torch.softmax((feature.to(rows.dtype) @ rows.T).float(), -1)
+def draft_lm_rows(head: Eagle3Head, lm_weight: torch.Tensor) -> torch.Tensor:
+    """The target LM head's rows of the draft tokens [Vd, H]: softmax over them is the target's
+    distribution renormalised over the draft vocabulary (the other rows cancel)."""
+    return lm_weight[torch.arange(head.d2t.shape[0], device=lm_weight.device) + head.d2t]
 
 
 def eagle3_loss(head: Eagle3Head, lm_weight, batch: dict, steps: int, decay: float = 0.8):
@@ -130,12 +129,14 @@ def eagle3_loss(head: Eagle3Head, lm_weight, batch: dict, steps: int, decay: flo
     token is an assistant token and the target's top-1 is in the draft vocabulary (else the renormalised
     target is not the target's choice). -> (loss, per-step accuracy [steps], per-step counts [steps])."""
     in_vocab = head.t2d[batch["target_top1"]]                                   # [B, S]
+    rows = draft_lm_rows(head, lm_weight)                                       # [Vd, H]
     loss, accs, counts = 0.0, [], []
     for i, out, idx, ok in ttt_unroll(head, batch, head_input(head, batch), steps):
         valid = take(valid_at(batch, i) & shift(in_vocab, 1 + i, False), idx) & ok  # [B, S_i]
         logits = head.logits(out[valid])                                         # [N, Vd]
         with torch.no_grad():
-            target = draft_targets(head, lm_weight, take(shift(batch["feature"], 1 + i), idx)[valid])
+            feature = take(shift(batch["feature"], 1 + i), idx)[valid].to(rows.dtype)  # [N, H]
+            target = torch.softmax((feature @ rows.T).float(), -1)                  # [N, Vd]
         n = valid.sum()
         ce = -(target * torch.log_softmax(logits, -1)).sum(-1)
         loss = loss + decay ** i * ce.sum() / n.clamp(min=1)
