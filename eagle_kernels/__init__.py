@@ -5,11 +5,12 @@ DESIGN.md. This package knows nothing of `engine`.
 """
 from .attention import move_kv, paged_attention, write_kv
 from .expand import topk_expand
+from .linear import linear
 from .rejection import tree_accept_greedy, tree_accept_sample
 from .sampling import sampling_probs
 from .tree import TreeIndex, build_tree
 
 __all__ = [
-    "paged_attention", "write_kv", "move_kv", "topk_expand", "sampling_probs",
+    "linear", "paged_attention", "write_kv", "move_kv", "topk_expand", "sampling_probs",
     "build_tree", "TreeIndex", "tree_accept_greedy", "tree_accept_sample",
 ]

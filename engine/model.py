@@ -26,6 +26,13 @@ class AttnMeta:
     tree_mask: torch.Tensor | None = None  # int32 [T, W] ancestor bitmask over the new tokens; None = causal
 
 
+class Linear(nn.Linear):
+    """nn.Linear through eagle_kernels.linear (a faster bf16 GEMV on CPUs without native bf16)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return eagle_kernels.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -85,8 +92,8 @@ class Attention(nn.Module):
         self.nq, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         in_dim = in_dim or cfg.hidden_size
         # q, k and v in one matmul: one weight read per step instead of three.
-        self.qkv_proj = nn.Linear(in_dim, (self.nq + 2 * self.nkv) * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nq * self.hd, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(in_dim, (self.nq + 2 * self.nkv) * self.hd, bias=False)
+        self.o_proj = Linear(self.nq * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttnMeta):
         # x: [T, in_dim]
@@ -104,8 +111,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -132,7 +139,7 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg)
