@@ -48,7 +48,8 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Requires K % 8 == 0. Accumulators live in registers for up to 4 rows of x at a time.
+// Requires K % 8 == 0. Accumulators live in registers for 4 (then 2, then 1) rows of x at a time, so
+// each weight vector is loaded once per group of rows.
 __attribute__((target("avx2,fma"))) void dot_rows_avx2(const float* x, const uint16_t* w, int64_t M,
                                                         int64_t K, float* out) {
   int64_t m = 0;
@@ -63,6 +64,17 @@ __attribute__((target("avx2,fma"))) void dot_rows_avx2(const float* x, const uin
       a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + 3 * K + k), wk, a3);
     }
     out[m] = hsum(a0), out[m + 1] = hsum(a1), out[m + 2] = hsum(a2), out[m + 3] = hsum(a3);
+  }
+  if (m + 2 <= M) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    const float* x0 = x + m * K;
+    for (int64_t k = 0; k < K; k += 8) {
+      const __m256 wk = load_bf16x8(w + k);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), wk, a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + K + k), wk, a1);
+    }
+    out[m] = hsum(a0), out[m + 1] = hsum(a1);
+    m += 2;
   }
   for (; m < M; ++m) {
     __m256 a = _mm256_setzero_ps();
