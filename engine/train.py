@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -132,20 +133,16 @@ def lr_at(step: int, args) -> float:
 # ----------------------------------------------------------------------------------------- checkpoints
 
 def save_checkpoint(out: Path, head: DraftHead, opt, state: dict, target):
-    """ckpt.pt (all training state) and head/ (official format, --export-dtype), each written atomically:
-    a run killed mid-save keeps the previous complete pair."""
-    tmp = out / "ckpt.pt.tmp"
+    """ckpt.pt (all training state, what --resume reads) replaced atomically; then head/ (the official
+    export, --export-dtype) rebuilt from a complete head.tmp/, so a kill at any moment leaves a
+    consistent ckpt.pt and at worst a head/ one save behind."""
     torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": state,
-                "rng": torch.get_rng_state()}, tmp)
+                "rng": torch.get_rng_state()}, out / "ckpt.pt.tmp")
+    os.replace(out / "ckpt.pt.tmp", out / "ckpt.pt")
+    shutil.rmtree(out / "head.tmp", ignore_errors=True)
     export_head(head, target, out / "head.tmp", state["export_dtype"])
-    os.replace(tmp, out / "ckpt.pt")
-    if (out / "head").exists():
-        os.replace(out / "head", out / "head.old")
+    shutil.rmtree(out / "head", ignore_errors=True)
     os.replace(out / "head.tmp", out / "head")
-    for f in (out / "head.old").glob("*") if (out / "head.old").exists() else []:
-        f.unlink()
-    if (out / "head.old").exists():
-        (out / "head.old").rmdir()
 
 
 def export_head(head: DraftHead, target, path: Path, dtype: str):
