@@ -1,0 +1,129 @@
+"""Lossless speculative sampling on a tiny synthetic Llama: the distribution of whole generated sequences
+must be the target's exact distribution (computed with transformers), for every method, temperature,
+top-k and top-p, in mixed batches with greedy requests; plus greedy losslessness on many short prompts."""
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import eagle_kernels
+from engine.llm import LLM, METHODS
+from engine.scheduler import SamplingParams
+from tests.conftest import write_tiny_llama
+
+VOCAB, PROMPT, NEW = 16, [1, 5, 9], 4
+GROUPS = [SamplingParams(0.6, top_p=0.8), SamplingParams(1.0, top_k=4), SamplingParams(1.0)]
+SAMPLES = 2000  # per group
+METHOD_ARGS = {
+    "sps": {"draft": "early-exit:2", "draft_len": 3},
+    "eagle": {"head": "random", "depth": 3, "topk": 4, "tree_tokens": 10},
+    "eagle3": {"head": "random", "depth": 3, "topk": 8, "tree_tokens": 16},
+}
+
+
+def write_tokenizer(path, vocab):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2", bos_token="t1", unk_token="t0") \
+        .save_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """An 8-layer Llama (EAGLE-3 needs three distinct layers) with a sharpened LM head, so sequences
+    have a few likely continuations and drafts get accepted often."""
+    path = tmp_path_factory.mktemp("tiny")
+    hf = write_tiny_llama(path, seed=5, vocab_size=VOCAB, num_hidden_layers=8)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(10.0)
+    hf.save_pretrained(str(path), safe_serialization=True)
+    write_tokenizer(path, VOCAB)
+    threads = torch.get_num_threads()
+    llm = LLM(str(path), kv_cache_gb=0.2, block_size=8, max_batch=len(GROUPS) * SAMPLES + 8, seed=3, threads=1)
+    yield llm, hf
+    torch.set_num_threads(threads)
+
+
+def use(llm, method, **args):
+    llm.method_args = args
+    llm.decoder = METHODS[method](llm)
+    llm.scheduler.lookahead = llm.decoder.lookahead
+
+
+def exact_distribution(hf, params: SamplingParams) -> torch.Tensor:
+    """P(t1..t4 | prompt) under the target's sampling distribution: fp64 [V ** NEW]."""
+    prob = torch.ones(1, dtype=torch.float64)
+    for n in range(NEW):
+        prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=n)), dtype=torch.long).view(VOCAB ** n, n)
+        ids = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), -1), prefixes], 1)
+        with torch.no_grad():
+            logits = hf(ids).logits[:, -1].float()
+        step = eagle_kernels.sampling_probs(logits, params.temperature, params.top_k, params.top_p)
+        prob = (prob[:, None] * step.double()).flatten()
+    return prob
+
+
+def chi_square_pvalue(counts: torch.Tensor, prob: torch.Tensor) -> float:
+    """Cells expected below 5 are pooled into one."""
+    expected = prob * counts.sum()
+    big = expected >= 5
+    assert counts[~big & (prob == 0)].sum() == 0, "sampled a sequence the target cannot produce"
+    obs = torch.cat([counts[big], counts[~big].sum()[None]]).double()
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    used = exp > 0
+    obs, exp = obs[used], exp[used]
+    return chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue  # fp32 rounding in sum(prob)
+
+
+def sequence_index(tokens: list[int]) -> int:
+    return sum(t * VOCAB ** (NEW - 1 - i) for i, t in enumerate(tokens))
+
+
+@pytest.fixture(scope="module")
+def exact(tiny):
+    return [exact_distribution(tiny[1], p) for p in GROUPS]
+
+
+@pytest.mark.parametrize("method", list(METHOD_ARGS))
+def test_sampling_is_lossless(tiny, exact, method):
+    llm, _ = tiny
+    use(llm, method, **METHOD_ARGS[method])
+    params = [SamplingParams(p.temperature, p.top_p, p.top_k, NEW, ignore_eos=True) for p in GROUPS]
+    greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    batch = [p for p in params for _ in range(SAMPLES)] + [greedy] * 4
+    seqs, stats = llm.generate([PROMPT] * len(batch), batch)
+    assert stats.extra["tau"] > 1.2  # drafts are accepted often enough for the test to mean something
+    for g, prob in enumerate(exact):
+        counts = torch.zeros(VOCAB ** NEW)
+        for s in seqs[g * SAMPLES:(g + 1) * SAMPLES]:
+            counts[sequence_index(s.output_ids)] += 1
+        pvalue = chi_square_pvalue(counts, prob)
+        assert pvalue > 1e-3, GROUPS[g]
+    use(llm, "vanilla")
+    ref, _ = llm.generate([PROMPT], greedy)
+    assert all(s.output_ids == ref[0].output_ids for s in seqs[-4:])
+
+
+@pytest.mark.parametrize("method,args", [
+    ("sps", {"draft": "early-exit:4", "draft_len": 4}),
+    ("eagle", {"head": "random", "tree": "static"}),
+    ("eagle", {"head": "random", "depth": 4, "topk": 4, "tree_tokens": 12}),
+    ("eagle3", {"head": "random"}),
+])
+def test_greedy_is_lossless_on_many_prompts(tiny, method, args):
+    llm, _ = tiny
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 40, (24,), generator=g)]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    use(llm, "vanilla")
+    ref, _ = llm.generate(prompts, params)
+    use(llm, method, **args)
+    out, stats = llm.generate(prompts, params)
+    assert [s.output_ids for s in out] == [s.output_ids for s in ref]
+    assert stats.extra["tau"] > 1.3
+    alone, _ = llm.generate(prompts[:1], params)
+    assert alone[0].output_ids == ref[0].output_ids
