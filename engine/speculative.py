@@ -36,6 +36,7 @@ class Verdict:
     captured: list[torch.Tensor]  # the target's captured layer inputs, [T, H] each
 
 
+@torch.inference_mode()
 def verify(runner: ModelRunner, sampler: Sampler, seqs: list[Sequence], tree: Tree, capture=(),
            draft_probs: torch.Tensor | None = None) -> Verdict:
     """Run the target once over every tree (root + drafts) and accept the longest lossless path.
