@@ -112,7 +112,10 @@ def main(argv=None) -> int:
 
 
 def default_method() -> str:
-    return "vanilla"
+    """The "auto" method (EAGLE-3 with a shipped head that fits the target, else vanilla) once a trained
+    head ships under engine/heads/<name>/; vanilla until then."""
+    from .speculative import HEADS_DIR
+    return "auto" if any(HEADS_DIR.glob("*/model.safetensors")) else "vanilla"
 
 
 def format_stats(s: dict) -> str:
