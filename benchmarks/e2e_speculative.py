@@ -1,0 +1,128 @@
+"""Speculative decoding end to end: every method on the same prompts in one run, against our vanilla.
+
+    python benchmarks/e2e_speculative.py [--prompts 4] [--max-tokens 128] [--dtype float32]
+        [--head DIR] [--eagle-head DIR] [--batch 1] [--threads 1]
+
+Prompts: the first user turns of held-out ShareGPT conversations (engine.data's split) and HumanEval
+problems, each through the chat template. Greedy decoding with natural stops; the model is loaded once and
+each method's decoder is swapped in. Per dataset and method: end-to-end tokens/s (prefill + decode),
+speedup over vanilla, tau (tokens per verify round), acceptance by depth (fraction of rounds whose accepted
+path reached depth d), the draft / verify time split, and how many outputs equal vanilla's token for token.
+Heads: --head (EAGLE-3) defaults to a shipped head under engine/heads/, --eagle-head (EAGLE-1) to an
+untrained one (shown as "random": it measures the machinery's overhead, not a speedup).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from engine.data import heldout_prompts, humaneval_prompts
+from engine.llm import DTYPES, LLM, METHODS
+from engine.scheduler import SamplingParams
+from engine.spec_eagle import shipped_head
+
+
+def method_configs(args, target_cfg) -> list[tuple[str, str, dict]]:
+    """(label, method, method_args) in the order they run."""
+    e3 = args.head or shipped_head("eagle3", target_cfg) or "random"
+    e1 = args.eagle_head or "random"
+    dyn = {k: v for k, v in (("depth", args.depth), ("topk", args.topk), ("tree_tokens", args.tree_tokens)) if v}
+    tag = lambda h: "random" if h == "random" else "trained"
+    return [("vanilla", "vanilla", {}),
+            ("sps early-exit", "sps", {"draft": args.draft, "draft_len": args.draft_len}),
+            (f"eagle static ({tag(e1)})", "eagle", {"head": e1, "tree": "static"}),
+            (f"eagle dynamic ({tag(e1)})", "eagle", {"head": e1, **dyn}),
+            (f"eagle3 dynamic ({tag(e3)})", "eagle3", {"head": e3, **dyn})]
+
+
+def use(llm: LLM, method: str, method_args: dict):
+    llm.method_args = method_args
+    llm.decoder = METHODS[method](llm)
+    llm.scheduler.lookahead = llm.decoder.lookahead
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int, batch: int) -> tuple[list[list[int]], dict, float]:
+    """-> outputs, merged speculative stats, wall seconds."""
+    params = SamplingParams(max_new_tokens=max_tokens)
+    outs, stats, wall = [], [], 0.0
+    for i in range(0, len(prompts), batch):
+        t0 = time.perf_counter()
+        seqs, s = llm.generate(prompts[i:i + batch], params)
+        wall += time.perf_counter() - t0
+        outs += [q.output_ids for q in seqs]
+        stats.append(s.as_dict())
+    return outs, merge(stats), wall
+
+
+def merge(stats: list[dict]) -> dict:
+    """Round-weighted tau and acceptance over several runs."""
+    out = {"new_tokens": sum(s["new_tokens"] for s in stats)}
+    rounds = sum(s.get("rounds", 0) for s in stats)
+    if rounds:
+        depth = max(len(s["accept_by_depth"]) for s in stats)
+        out["tau"] = sum(s["tau"] * s["rounds"] for s in stats) / rounds
+        out["accept_by_depth"] = [sum(s["accept_by_depth"][d] * s["rounds"] for s in stats
+                                      if d < len(s["accept_by_depth"])) / rounds for d in range(depth)]
+        out["draft_s"] = sum(s["draft_s"] for s in stats)
+        out["verify_s"] = sum(s["verify_s"] for s in stats)
+    return out
+
+
+def report(name: str, rows: list[tuple[str, dict, float, int]], n: int):
+    print(f"\n## {name} ({n} prompts)")
+    print(f"{'method':28s} {'tok/s':>7s} {'speedup':>8s} {'tau':>5s} {'draft/verify s':>15s} {'=vanilla':>9s}  "
+          f"accept by depth")
+    base = rows[0][1]["new_tokens"] / rows[0][2]
+    for label, s, wall, same in rows:
+        rate = s["new_tokens"] / wall
+        spec = "tau" in s
+        split = f"{s['draft_s']:.1f}/{s['verify_s']:.1f}" if spec else "-"
+        depth = " ".join(f"{a:.2f}" for a in s.get("accept_by_depth", []))
+        print(f"{label:28s} {rate:7.2f} {rate / base:7.2f}x {s['tau'] if spec else 1:5.2f} {split:>15s} "
+              f"{same:>4d}/{n:<4d}  {depth}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompts", type=int, default=4, help="per dataset")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    ap.add_argument("--head", help="EAGLE-3 head directory (default: shipped, else untrained)")
+    ap.add_argument("--eagle-head", help="EAGLE-1 head directory (default: untrained)")
+    ap.add_argument("--draft", default="early-exit:10", help="SpS draft")
+    ap.add_argument("--draft-len", type=int, default=4)
+    ap.add_argument("--depth", type=int)
+    ap.add_argument("--topk", type=int)
+    ap.add_argument("--tree-tokens", type=int)
+    ap.add_argument("--batch", type=int, default=1, help="requests per generate call")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 on shared cores)")
+    ap.add_argument("--methods", nargs="+", help="labels' first words to run, e.g. vanilla eagle3")
+    args = ap.parse_args()
+
+    llm = LLM(args.model, args.dtype, max_batch=args.batch, threads=args.threads)
+    fits = lambda ids: len(ids) <= args.max_prompt_tokens
+    datasets = {"ShareGPT held-out": [p for p in map(llm.chat_ids, heldout_prompts(4 * args.prompts)) if fits(p)],
+                "HumanEval": [p for p in map(llm.chat_ids, humaneval_prompts(4 * args.prompts)) if fits(p)]}
+    configs = [c for c in method_configs(args, llm.cfg)
+               if c[0] == "vanilla" or not args.methods or c[0].split()[0] in args.methods]
+    print(f"model={args.model} dtype={args.dtype} threads={args.threads} batch={args.batch} "
+          f"max_tokens={args.max_tokens} greedy")
+    for name, prompts in datasets.items():
+        prompts = prompts[:args.prompts]
+        rows, ref = [], None
+        for label, method, margs in configs:
+            use(llm, method, margs)
+            llm.generate([prompts[0]], SamplingParams(max_new_tokens=8))  # warm-up
+            outs, stats, wall = run(llm, prompts, args.max_tokens, args.batch)
+            ref = ref or outs
+            rows.append((label, stats, wall, sum(a == b for a, b in zip(outs, ref))))
+        report(name, rows, len(prompts))
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()
