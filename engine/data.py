@@ -197,7 +197,6 @@ def write_shard(path: Path, model, capture, seqs: list[tuple[list[int], list[int
     hidden, feature, top1 = [None] * len(seqs), [None] * len(seqs), [None] * len(seqs)
     i = 0
     while i < len(order):
-        S = len(seqs[order[i]][0])
         j = i + 1
         while j < len(order) and (j - i + 1) * len(seqs[order[j]][0]) <= batch_tokens:
             j += 1
