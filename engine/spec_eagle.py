@@ -24,7 +24,7 @@ from .model import Llama
 from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Sequence
-from .speculative import HEADS_DIR, DraftCache, SpecStats, Timer, depth_caps, verify
+from .speculative import HEADS_DIR, SpeculativeDecoder, depth_caps, verify
 from .trees import Frontier, Pool, Tree, pack_bits
 
 
@@ -82,48 +82,34 @@ class History:
         self.depths += [depth] * F
 
 
-class EagleDecoder:
+class EagleDecoder(SpeculativeDecoder):
+    """state[seq]: the head's output at the root's pair [H], where the next tree grows from."""
+
     def __init__(self, runner: ModelRunner, sampler: Sampler, head: DraftHead, tree):
-        self.runner, self.sampler, self.head, self.tree = runner, sampler, head, tree
-        self.cache = DraftCache(head, head.cfg, runner)
+        super().__init__(runner, sampler, head, head.cfg)
+        self.head, self.tree = head, tree
         # Verification appends the whole tree to the target cache; drafting the frontier history to the head's.
         self.lookahead = max(tree.verify_tokens, tree.max_draft_tokens)
-        self.root: dict[int, torch.Tensor] = {}  # seq_id -> head output at the root's pair [H]
-        self._stats = SpecStats()
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
-        self._release()
-        feature, captured, cu = self.runner.forward([s.seq_id for s in seqs], [s.prompt_ids for s in seqs],
-                                                    capture=self.head.capture)
-        logits = self.runner.model.logits(feature[self.runner.last_positions(cu)])
-        first = self.sampler(logits, [s.params for s in seqs]).tolist()
+        first, feature, captured, _ = self.prefill_target(seqs, self.head.capture)
         hidden = self.head.target_feature(feature, captured)
         self._catch_up(seqs, hidden, [s.prompt_ids[1:] + [t] for s, t in zip(seqs, first)])
         return [[t] for t in first]
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
-        self._release()
-        dev = self.runner.device
-        with Timer(self._stats, "draft_s", dev):
+        self.release_retired()
+        with self.timer("draft_s"):
             tree = self._draft(seqs)
-        with Timer(self._stats, "verify_s", dev):
+        with self.timer("verify_s"):
             v = verify(self.runner, self.sampler, seqs, tree, self.head.capture)
-        with Timer(self._stats, "draft_s", dev):
+        with self.timer("draft_s"):
             hidden = self.head.target_feature(v.feature[v.rows], [c[v.rows] for c in v.captured])
             self._catch_up(seqs, hidden, v.new_tokens)
         self._stats.record(v.paths)
         return v.new_tokens
-
-    def stats(self) -> dict:
-        """Counters since the last call (LLM.generate calls this once per run)."""
-        out, self._stats = self._stats.as_dict(), SpecStats()
-        return out
-
-    def _release(self):
-        for sid in self.cache.release_retired():
-            self.root.pop(sid, None)
 
     def _catch_up(self, seqs, hidden, tokens: list[list[int]]):
         """Feed pairs (hidden row, token) per sequence (hidden: [T, H] packed in `tokens` order)."""
@@ -133,19 +119,20 @@ class EagleDecoder:
         pos = torch.tensor([p + i for p, ts in zip(prefix, tokens) for i in range(len(ts))], device=runner.device)
         out = self.head(ids, hidden, pos, runner.kv_layers[0], meta)
         for s, last in zip(seqs, runner.last_positions(cu)):
-            self.root[s.seq_id] = out[last]
+            self.state[s.seq_id] = out[last]
 
     def _draft(self, seqs) -> Tree:
         head, policy = self.head, self.tree
         ids = [s.seq_id for s in seqs]
         lengths = [self.cache.blocks.length(i) for i in ids]
         B = len(seqs)
-        root = torch.stack([self.root[i] for i in ids])                                  # [B, H]
+        root = torch.stack([self.state[i] for i in ids])                                  # [B, H]
         pool, hist = Pool(), History()
         front = policy.expand(pool, head.logits(root)[:, None], torch.full((B, 1), -1, device=root.device),
                               torch.zeros(B, 1, device=root.device), 1, head.d2t)
         out = root[:, None]                                                               # [B, 1, H]
-        for depth in range(1, policy.depth):
+        caps = depth_caps(seqs, self.runner.cfg.max_position)
+        for depth in range(1, min(policy.depth, max(caps))):  # nothing deeper can be verified
             if front.ids.shape[1] == 0:
                 break
             hist.append(front, out.gather(1, front.rows[..., None].expand(-1, -1, out.shape[-1])), depth)
@@ -153,8 +140,7 @@ class EagleDecoder:
             front = policy.expand(pool, head.logits(out), front.ids, front.scores, depth + 1, head.d2t)
         self.cache.truncate(ids, lengths)
         roots = torch.tensor([s.all_ids[-1] for s in seqs], device=root.device)
-        caps = torch.tensor(depth_caps(seqs, self.runner.cfg.max_position), device=root.device)
-        return pool.select(roots, policy.verify_tokens - 1, caps)
+        return pool.select(roots, policy.verify_tokens - 1, torch.tensor(caps, device=root.device))
 
     def _forward_history(self, ids, lengths, hist: History) -> torch.Tensor:
         """Re-feed every drafted frontier node after the cached pairs -> head outputs [B, n, H]."""

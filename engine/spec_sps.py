@@ -5,8 +5,8 @@ min(1, p/q), residual norm(max(0, p - q))).
 Drafts: another checkpoint (`--draft NAME_OR_PATH`) or the target's early exit (`--draft early-exit:N`:
 its first N layers + final norm + LM head, weights shared, KV in the draft's own cache).
 
-Draft cache invariant between rounds: it holds every token of the sequence, root included, and `q[seq]`
-is the draft's logits for the token after the root.
+Draft cache invariant between rounds: it holds every token of the sequence, root included (one more than
+the target's cache), and `state[seq]` is the draft's logits for the token after the root.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from .model import Llama
 from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Sequence
-from .speculative import DraftCache, SpecStats, Timer, depth_caps, verify
+from .speculative import SpeculativeDecoder, depth_caps, verify
 from .trees import Tree
 
 
@@ -50,46 +50,34 @@ def load_draft(spec: str, target: Llama, dtype, device) -> tuple[Llama, LlamaCon
     return model, cfg
 
 
-class SpSDecoder:
+class SpSDecoder(SpeculativeDecoder):
+    """state[seq]: the draft's logits [V] for the token after the root."""
+
     def __init__(self, runner: ModelRunner, sampler: Sampler, draft: Llama, draft_cfg: LlamaConfig, k: int):
         if k < 1:
             raise ValueError(f"--draft-len must be >= 1, got {k}")
-        self.runner, self.sampler, self.draft, self.k = runner, sampler, draft, k
-        self.cache = DraftCache(draft, draft_cfg, runner)
+        super().__init__(runner, sampler, draft, draft_cfg)
+        self.draft, self.k = draft, k
         self.lookahead = k + 1
-        self.q: dict[int, torch.Tensor] = {}  # seq_id -> draft logits [V] after the root
-        self._stats = SpecStats()
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
-        self._release()
-        feature, _, cu = self.runner.forward([s.seq_id for s in seqs], [s.prompt_ids for s in seqs])
-        logits = self.runner.model.logits(feature[self.runner.last_positions(cu)])
-        first = self.sampler(logits, [s.params for s in seqs]).tolist()
+        first, _, _, _ = self.prefill_target(seqs)
         self._feed(seqs, [s.prompt_ids + [t] for s, t in zip(seqs, first)])
         return [[t] for t in first]
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
-        self._release()
-        with Timer(self._stats, "draft_s", self.runner.device):
+        self.release_retired()
+        with self.timer("draft_s"):
             chains, probs = self._draft_chains(seqs)
-        with Timer(self._stats, "verify_s", self.runner.device):
+        with self.timer("verify_s"):
             verdict = verify(self.runner, self.sampler, seqs, Tree.chains(chains, self.runner.device),
                              draft_probs=probs)
-        with Timer(self._stats, "draft_s", self.runner.device):
+        with self.timer("draft_s"):
             self._catch_up(seqs, verdict.new_tokens)
         self._stats.record(verdict.paths)
         return verdict.new_tokens
-
-    def stats(self) -> dict:
-        """Counters since the last call (LLM.generate calls this once per run)."""
-        out, self._stats = self._stats.as_dict(), SpecStats()
-        return out
-
-    def _release(self):
-        for sid in self.cache.release_retired():
-            self.q.pop(sid, None)
 
     def _draft_chains(self, seqs):
         """-> chains (root + drafts per sequence) and draft_probs fp32 [B, N, V] (row i = the q that drew
@@ -97,7 +85,7 @@ class SpSDecoder:
         B = len(seqs)
         caps = [max(0, min(self.k, c)) for c in depth_caps(seqs, self.runner.cfg.max_position)]
         chains = [[s.all_ids[-1]] for s in seqs]
-        logits = torch.stack([self.q[s.seq_id] for s in seqs])                            # [B, V]
+        logits = torch.stack([self.state[s.seq_id] for s in seqs])                            # [B, V]
         sampling = any(not s.params.greedy for s in seqs)
         probs = torch.zeros(B, max(caps) + 1, logits.shape[-1]) if sampling else None
         for i in range(max(caps)):
@@ -136,7 +124,7 @@ class SpSDecoder:
 
     def _feed(self, seqs, tokens):
         for s, q in zip(seqs, self._forward(seqs, tokens)):
-            self.q[s.seq_id] = q
+            self.state[s.seq_id] = q
 
     def _forward(self, seqs, tokens) -> torch.Tensor:
         """Append tokens to the draft cache -> draft logits after each sequence's last token [B, V]."""

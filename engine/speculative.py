@@ -112,8 +112,7 @@ def keep_paths(runner: ModelRunner, seq_ids, prefixes, paths):
 
 class DraftCache:
     """A draft model's own paged KV cache, mirroring the target's block geometry: it can hold whatever the
-    scheduler admitted (its lookahead covers the draft's extra tokens). Sequences the target no longer
-    holds (retired or aborted) are released at the decoder's next call."""
+    scheduler admitted (its lookahead covers the draft's extra tokens)."""
 
     def __init__(self, model, cfg, target: ModelRunner):
         self.runner = ModelRunner(model, cfg, block_size=target.blocks.block_size,
@@ -121,6 +120,7 @@ class DraftCache:
         self.blocks, self.target = self.runner.blocks, target
 
     def release_retired(self) -> list[int]:
+        """Free the sequences the target no longer holds (retired or aborted); -> their ids."""
         gone = [sid for sid in self.blocks.tables if sid not in self.target.blocks.tables]
         for sid in gone:
             self.blocks.free(sid)
@@ -129,6 +129,38 @@ class DraftCache:
     def truncate(self, seq_ids, lengths):
         for sid, n in zip(seq_ids, lengths):
             self.blocks.truncate(sid, n)
+
+
+class SpeculativeDecoder:
+    """What every draft-and-verify method shares: the draft's cache and per-sequence state, the target
+    prefill, and round statistics. The scheduler retires sequences after a call returns, so their draft
+    blocks and state are released at the start of the next call."""
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler, draft_model, draft_cfg):
+        self.runner, self.sampler = runner, sampler
+        self.cache = DraftCache(draft_model, draft_cfg, runner)
+        self.state: dict[int, torch.Tensor] = {}  # seq_id -> what the next round drafts from
+        self._stats = SpecStats()
+
+    def stats(self) -> dict:
+        """Counters since the last call (LLM.generate calls this once per run)."""
+        out, self._stats = self._stats.as_dict(), SpecStats()
+        return out
+
+    def release_retired(self):
+        for sid in self.cache.release_retired():
+            self.state.pop(sid, None)
+
+    def prefill_target(self, seqs: list[Sequence], capture=()):
+        """Target prefill + first sampled token. -> (first tokens, feature [T, H], captured, cu_seqlens)."""
+        self.release_retired()
+        feature, captured, cu = self.runner.forward([s.seq_id for s in seqs], [s.prompt_ids for s in seqs],
+                                                    capture=capture)
+        logits = self.runner.model.logits(feature[self.runner.last_positions(cu)])
+        return self.sampler(logits, [s.params for s in seqs]).tolist(), feature, captured, cu
+
+    def timer(self, attr: str) -> "Timer":
+        return Timer(self._stats, attr, self.runner.device)
 
 
 @dataclass
@@ -199,7 +231,9 @@ def make_eagle(llm, kind: str):
     head = eagle_head(args.get("head"), kind, llm.model)
     shape = args.get("tree", "dynamic")
     if shape == "dynamic":
-        tree = DynamicTree(args.get("depth", 5), args.get("topk", 8), args.get("tree_tokens", 32))
+        # CPU defaults: a verify forward costs ~2x a decode step at 10 tokens and ~3.7x at 32 (SmolLM2,
+        # fp32, 1 thread), so a small tree wins unless the head is very good.
+        tree = DynamicTree(args.get("depth", 4), args.get("topk", 4), args.get("tree_tokens", 10))
     elif shape == "static":
         check_args(f"{kind} --tree static", args, {"head", "tree"})
         tree = StaticTree()

@@ -7,7 +7,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.config import LlamaConfig
-from engine.heads import Eagle1Head, Eagle3Head, load_head, new_head
+from engine.heads import load_head, new_head
 from engine.model import Llama
 from engine.model_runner import ModelRunner
 

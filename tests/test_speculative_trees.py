@@ -77,15 +77,15 @@ def test_static_tree_reproduces_the_rank_paths():
     policy = StaticTree()
     assert policy.verify_tokens == 26 and policy.depth == 5 and policy.max_draft_tokens == 10
     logits = [torch.randn(B, 1, V)] + [torch.randn(B, 4, V) for _ in range(4)]
-    pool, fronts = grow(policy, logits, B)
+    pool, _ = grow(policy, logits, B)
     tree = pool.select(torch.zeros(B, dtype=torch.long), policy.verify_tokens - 1, torch.full((B,), 5))
     check_bfs(tree)
     paths = sorted(EAGLE1_TREE, key=lambda p: (len(p), p))
+    # fronts_at[d]: the nodes at depth d - 1 the draft expands, in the order of their logits rows
+    fronts_at = {1: [()]}
+    for d in range(1, 5):
+        fronts_at[d + 1] = [p for p in paths if len(p) == d and any(q[:-1] == p for q in paths)]
     for b in range(B):
-        rows = {(): 0}  # path -> row of the node's logits at its depth
-        fronts_at = {1: [()]}
-        for d in range(1, 5):
-            fronts_at[d + 1] = [p for p in paths if len(p) == d and any(q[:-1] == p for q in paths)]
         for i, p in enumerate(paths, start=1):
             row = fronts_at[len(p)].index(p[:-1])
             ranked = logits[len(p) - 1][b, row].argsort(descending=True)
