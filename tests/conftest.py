@@ -10,6 +10,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One intra-op thread: decode is bandwidth-bound (one thread nearly saturates memory here), and with two
+# threads any other load on a 2-core host stalls every GEMM on its busy partner (measured 16x slower).
+torch.set_num_threads(1)
+
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
