@@ -116,9 +116,9 @@ class DraftHead(nn.Module):
     def forward_dense(self, ids, hidden, positions, mask, past_kv=None):
         """Training forward over whole sequences, no cache.
 
-        ids: int64 [B, S]; positions: int64 [B, S] or [S]; hidden: [B, S, H]; mask: bool [S, Sp + S] or [B, S, Sp + S], True where
-        query s may attend key j; the first Sp key columns are `past_kv` = (k, v) [B, Hkv, Sp, D] returned by
-        an earlier call. -> (out [B, S, H], (k, v) [B, Hkv, Sp + S, D]).
+        ids: int64 [B, S]; positions: int64 [B, S] or [S]; hidden: [B, S, H]; mask: bool [S, Sp + S] or
+        [B, S, Sp + S], True where query s may attend key j; the first Sp key columns are `past_kv` = (k, v)
+        [B, Hkv, Sp, D] returned by an earlier call. -> (out [B, S, H], (k, v) [B, Hkv, Sp + S, D]).
 
         Training-time test (EAGLE-3) unrolls K steps: step 0 runs with a causal mask over the real prefix;
         step i feeds step i-1's `out` (shifted by one token) with `past_kv` = step i-1's keys, its mask
@@ -168,9 +168,7 @@ class DraftHead(nn.Module):
         return [c.intermediate_size, c.intermediate_size]
 
     def config_dict(self) -> dict:
-        cfg = self.cfg.to_hf()
-        cfg.update(num_hidden_layers=1, max_position_embeddings=self.cfg.max_position)
-        return cfg
+        return self.cfg.to_hf()  # num_layers is 1 by construction
 
 
 class Eagle1Head(DraftHead):
