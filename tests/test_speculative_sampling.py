@@ -127,3 +127,19 @@ def test_greedy_is_lossless_on_many_prompts(tiny, method, args):
     assert stats.extra["tau"] > 1.3
     alone, _ = llm.generate(prompts[:1], params)
     assert alone[0].output_ids == ref[0].output_ids
+
+
+def test_sps_with_the_target_as_draft_accepts_everything(tiny):
+    """q == p: greedy drafts always match, and sampled ones pass min(1, p/q) ~ 1 -- unless the draft
+    distributions were misaligned with their nodes."""
+    llm, _ = tiny
+    use(llm, "vanilla")
+    prompts = [[1, 5, 9], [3, 4, 5, 6, 7, 8]]
+    greedy = SamplingParams(max_new_tokens=25, ignore_eos=True)
+    ref, _ = llm.generate(prompts, greedy)
+    use(llm, "sps", draft=str(llm.source.path), draft_len=3)
+    out, stats = llm.generate(prompts, greedy)
+    assert [s.output_ids for s in out] == [s.output_ids for s in ref]
+    assert stats.extra["tau"] > 3.5  # 4 per round but the last, which the token budget caps
+    _, stats = llm.generate(prompts * 50, SamplingParams(1.0, max_new_tokens=25, ignore_eos=True))
+    assert stats.extra["accept_by_depth"][0] > 0.99 and stats.extra["tau"] > 3.5
