@@ -4,8 +4,9 @@
         [--head DIR] [--eagle-head DIR] [--batch 1] [--threads 1]
 
 Prompts: the first user turns of held-out ShareGPT conversations (engine.data's split) and HumanEval
-problems, each through the chat template. Greedy decoding with natural stops; the model is loaded once and
-each method's decoder is swapped in. Per dataset and method: end-to-end tokens/s (prefill + decode),
+problems, each through the chat template. Greedy decoding with natural stops; the model is loaded once,
+and each prompt (or batch) runs through every method back to back so that load drift on a shared machine
+hits all methods alike. Per dataset and method: end-to-end tokens/s (prefill + decode),
 speedup over vanilla, tau (tokens per verify round), acceptance by depth (fraction of rounds whose accepted
 path reached depth d), the draft / verify time split, and how many outputs equal vanilla's token for token.
 Heads: --head (EAGLE-3) defaults to a shipped head under engine/heads/, --eagle-head (EAGLE-1) to an
@@ -37,23 +38,27 @@ def method_configs(args, target_cfg) -> list[tuple[str, str, dict]]:
             (f"eagle3 dynamic ({tag(e3)})", "eagle3", {"head": e3, **dyn})]
 
 
-def use(llm: LLM, method: str, method_args: dict):
+def decoder(llm: LLM, method: str, method_args: dict):
     llm.method_args = method_args
-    llm.decoder = METHODS[method](llm)
-    llm.scheduler.lookahead = llm.decoder.lookahead
+    return METHODS[method](llm)
 
 
-def run(llm: LLM, prompts: list[list[int]], max_tokens: int, batch: int) -> tuple[list[list[int]], dict, float]:
-    """-> outputs, merged speculative stats, wall seconds."""
+def run(llm: LLM, decoders: dict, prompts: list[list[int]], max_tokens: int, batch: int) -> dict:
+    """Each batch of prompts goes through every method back to back, so load drift on a shared machine
+    hits all methods alike. -> {label: (outputs, merged stats, wall seconds)}."""
     params = SamplingParams(max_new_tokens=max_tokens)
-    outs, stats, wall = [], [], 0.0
+    outs = {label: [] for label in decoders}
+    stats = {label: [] for label in decoders}
+    wall = dict.fromkeys(decoders, 0.0)
     for i in range(0, len(prompts), batch):
-        t0 = time.perf_counter()
-        seqs, s = llm.generate(prompts[i:i + batch], params)
-        wall += time.perf_counter() - t0
-        outs += [q.output_ids for q in seqs]
-        stats.append(s.as_dict())
-    return outs, merge(stats), wall
+        for label, dec in decoders.items():
+            llm.decoder, llm.scheduler.lookahead = dec, dec.lookahead
+            t0 = time.perf_counter()
+            seqs, s = llm.generate(prompts[i:i + batch], params)
+            wall[label] += time.perf_counter() - t0
+            outs[label] += [q.output_ids for q in seqs]
+            stats[label].append(s.as_dict())
+    return {label: (outs[label], merge(stats[label]), wall[label]) for label in decoders}
 
 
 def merge(stats: list[dict]) -> dict:
@@ -111,16 +116,16 @@ def main():
                if c[0] == "vanilla" or not args.methods or c[0].split()[0] in args.methods]
     print(f"model={args.model} dtype={args.dtype} threads={args.threads} batch={args.batch} "
           f"max_tokens={args.max_tokens} greedy")
+    decoders = {label: decoder(llm, method, margs) for label, method, margs in configs}
     for name, prompts in datasets.items():
         prompts = prompts[:args.prompts]
-        rows, ref = [], None
-        for label, method, margs in configs:
-            use(llm, method, margs)
-            llm.generate([prompts[0]], SamplingParams(max_new_tokens=8))  # warm-up
-            outs, stats, wall = run(llm, prompts, args.max_tokens, args.batch)
-            ref = ref or outs
-            rows.append((label, stats, wall, sum(a == b for a, b in zip(outs, ref))))
-        report(name, rows, len(prompts))
+        for dec in decoders.values():  # warm-up
+            llm.decoder, llm.scheduler.lookahead = dec, dec.lookahead
+            llm.generate([prompts[0]], SamplingParams(max_new_tokens=8))
+        results = run(llm, decoders, prompts, args.max_tokens, args.batch)
+        ref = results["vanilla"][0]
+        report(name, [(label, s, wall, sum(a == b for a, b in zip(outs, ref)))
+                      for label, (outs, s, wall) in results.items()], len(prompts))
 
 
 if __name__ == "__main__":
