@@ -9,8 +9,8 @@ and each prompt (or batch) runs through every method back to back so that load d
 hits all methods alike. Per dataset and method: end-to-end tokens/s (prefill + decode),
 speedup over vanilla, tau (tokens per verify round), acceptance by depth (fraction of rounds whose accepted
 path reached depth d), the draft / verify time split, and how many outputs equal vanilla's token for token.
-Heads: --head (EAGLE-3) defaults to a shipped head under engine/heads/, --eagle-head (EAGLE-1) to an
-untrained one (shown as "random": it measures the machinery's overhead, not a speedup).
+Heads: --head (EAGLE-3) and --eagle-head (EAGLE-1) default to shipped heads under engine/heads/, else to
+untrained ones (shown as "random": they measure the machinery's overhead, not a speedup).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from engine.spec_eagle import shipped_head
 def method_configs(args, target_cfg) -> list[tuple[str, str, dict]]:
     """(label, method, method_args) in the order they run."""
     e3 = args.head or shipped_head("eagle3", target_cfg) or "random"
-    e1 = args.eagle_head or "random"
+    e1 = args.eagle_head or shipped_head("eagle", target_cfg) or "random"
     dyn = {k: v for k, v in (("depth", args.depth), ("topk", args.topk), ("tree_tokens", args.tree_tokens)) if v}
     tag = lambda h: "random" if h == "random" else "trained"
     return [("vanilla", "vanilla", {}),
@@ -97,7 +97,7 @@ def main():
     ap.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
     ap.add_argument("--head", help="EAGLE-3 head directory (default: shipped, else untrained)")
-    ap.add_argument("--eagle-head", help="EAGLE-1 head directory (default: untrained)")
+    ap.add_argument("--eagle-head", help="EAGLE-1 head directory (default: shipped, else untrained)")
     ap.add_argument("--draft", default="early-exit:10", help="SpS draft")
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--depth", type=int)
