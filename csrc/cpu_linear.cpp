@@ -65,22 +65,37 @@ __attribute__((target("avx2,fma"))) void dot_rows_avx2(const float* x, const uin
     }
     out[m] = hsum(a0), out[m + 1] = hsum(a1), out[m + 2] = hsum(a2), out[m + 3] = hsum(a3);
   }
-  if (m + 2 <= M) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+  if (m + 2 <= M) {  // 2 rows x 2 interleaved k-chunks: 4 independent FMA chains hide FMA latency
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
     const float* x0 = x + m * K;
-    for (int64_t k = 0; k < K; k += 8) {
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      const __m256 w0 = load_bf16x8(w + k), w1 = load_bf16x8(w + k + 8);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), w0, a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + K + k), w0, a1);
+      b0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 8), w1, b0);
+      b1 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + K + k + 8), w1, b1);
+    }
+    for (; k < K; k += 8) {
       const __m256 wk = load_bf16x8(w + k);
       a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), wk, a0);
       a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + K + k), wk, a1);
     }
-    out[m] = hsum(a0), out[m + 1] = hsum(a1);
+    out[m] = hsum(_mm256_add_ps(a0, b0)), out[m + 1] = hsum(_mm256_add_ps(a1, b1));
     m += 2;
   }
-  for (; m < M; ++m) {
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8)
-      a = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), load_bf16x8(w + k), a);
-    out[m] = hsum(a);
+  if (m < M) {  // the last row: 4 k-chunks in flight (one accumulator would wait on each FMA)
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const float* x0 = x + m * K;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), load_bf16x8(w + k), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 8), load_bf16x8(w + k + 8), a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 16), load_bf16x8(w + k + 16), a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 24), load_bf16x8(w + k + 24), a3);
+    }
+    for (; k < K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), load_bf16x8(w + k), a0);
+    out[m] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
   }
 }
 #endif
@@ -94,22 +109,36 @@ DotRows pick_kernel(int64_t K) {
   return dot_rows_scalar;
 }
 
+template <typename Out>
+void store_column(Out* y, int64_t n, int64_t N, const float* col, int64_t M) {
+  for (int64_t m = 0; m < M; ++m) y[m * N + n] = static_cast<Out>(col[m]);
+}
+
+// One kernel call per step and layer: the output is written in place ([M, N], x's dtype), so no
+// conversion or transpose ops surround it (each costs more than the GEMV at these sizes).
 at::Tensor linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
               "linear_bf16: w must be a contiguous bf16 [N, K] tensor");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1), "linear_bf16: x must be [M, K] with K = w.size(1)");
   TORCH_CHECK(x.size(0) <= kMaxRows, "linear_bf16: at most ", kMaxRows, " rows");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "linear_bf16: x must be bf16 or fp32");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();           // [M, K]
-  at::Tensor yt = at::empty({N, M}, x.options().dtype(at::kFloat));  // transposed: rows written per n
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = xf.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  float* yp = yt.data_ptr<float>();
   const DotRows dot = pick_kernel(K);
+  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) dot(xp, wp + n * K, M, K, yp + n * M);
+    float col[kMaxRows];
+    for (int64_t n = n0; n < n1; ++n) {
+      dot(xp, wp + n * K, M, K, col);
+      if (out_bf16) store_column(y.data_ptr<at::BFloat16>(), n, N, col, M);
+      else store_column(y.data_ptr<float>(), n, N, col, M);
+    }
   });
-  return yt.t().to(x.scalar_type());
+  return y;
 }
 
 }  // namespace
