@@ -1,0 +1,39 @@
+"""The CLI: bad input gives one line on stderr and exit code 2; --json output is parseable."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "engine.run", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "no-such-model", "hi"], "not a known name"),
+    (["--max-new-tokens", "0", "hi"], "max_new_tokens must be > 0"),
+    (["--temperature", "-1", "hi"], "temperature must be >= 0"),
+    (["--top-p", "1.5", "hi"], "top_p must be in (0, 1]"),
+    (["--top-p", "0", "hi"], "top_p must be in (0, 1]"),
+    ([], "no prompt given"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(args, message):
+    r = run_cli(*args)
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_prompt_longer_than_context_and_json_output(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Name a color."}) + "\n" + json.dumps("Say hi.") + "\n")
+    r = run_cli("--method", "vanilla", "--json", "--max-new-tokens", "4", "--prompts-file", str(prompts))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["prompt"] for row in rows] == ["Name a color.", "Say hi."]
+    assert all(len(row["output_ids"]) <= 4 and row["text"] and "decode_tok_s" in row["stats"] for row in rows)
+
+    r = run_cli("--method", "vanilla", "--raw", "word " * 9000)
+    assert r.returncode == 2 and "context" in r.stderr and "Traceback" not in r.stderr
