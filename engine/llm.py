@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from . import speculative
 from .loader import DEFAULT_MODEL, load_model, load_tokenizer
 from .model_runner import ModelRunner
 from .sampler import Sampler
@@ -58,7 +59,6 @@ class RunStats:
 
 
 DecoderFactory = Callable[["LLM"], object]
-from . import speculative  # noqa: E402  (the speculative methods' factories; it never imports this module)
 METHODS: dict[str, DecoderFactory] = {
     "vanilla": lambda llm: VanillaDecoder(llm.runner, llm.sampler),
     "sps": lambda llm: speculative.make_sps(llm),
