@@ -21,7 +21,11 @@ def extension():
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
     with_cuda = (torch.version.cuda is not None and CUDA_HOME is not None
                  and os.environ.get("EAGLE_NO_CUDA", "0") != "1")
-    cxx_flags = ["-O3", "-std=c++17"]
+    # OpenMP: at::parallel_for is a header template that only spreads work over threads when the extension
+    # itself is compiled with -fopenmp; the soname matches the libgomp torch bundles, so torch's copy (and
+    # thread pool) is the one used.
+    cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
+    link_flags = ["-fopenmp"]
     if with_cuda:
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
         nvcc_flags = ["-O3", "-std=c++17", "--use_fast_math"]
@@ -30,8 +34,9 @@ def extension():
         return CUDAExtension(
             "eagle_kernels._C", cpp_sources + cuda_sources,
             define_macros=[("EAGLE_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags})
-    return CppExtension("eagle_kernels._C", cpp_sources, extra_compile_args={"cxx": cxx_flags})
+            extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags}, extra_link_args=link_flags)
+    return CppExtension("eagle_kernels._C", cpp_sources, extra_compile_args={"cxx": cxx_flags},
+                        extra_link_args=link_flags)
 
 
 setup(

@@ -11,9 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 namespace {
 
@@ -36,52 +34,43 @@ void dot_rows_scalar(const float* x, const uint16_t* w, int64_t M, int64_t K, fl
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx2,fma"))) inline __m256 load_bf16x8(const uint16_t* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
 // Requires K % 8 == 0. Accumulators live in registers for 4 (then 2, then 1) rows of x at a time, so
 // each weight vector is loaded once per group of rows.
-__attribute__((target("avx2,fma"))) void dot_rows_avx2(const float* x, const uint16_t* w, int64_t M,
-                                                        int64_t K, float* out) {
+EAGLE_AVX2 void dot_rows_avx2(const float* x, const uint16_t* w, int64_t M,
+                              int64_t K, float* out) {
+  const auto* wb = reinterpret_cast<const c10::BFloat16*>(w);
+  using eagle::cpu::hsum8;
+  using eagle::cpu::load8;
   int64_t m = 0;
   for (; m + 4 <= M; m += 4) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     const float* x0 = x + m * K;
     for (int64_t k = 0; k < K; k += 8) {
-      const __m256 wk = load_bf16x8(w + k);
+      const __m256 wk = load8(wb + k);
       a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), wk, a0);
       a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + K + k), wk, a1);
       a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + 2 * K + k), wk, a2);
       a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + 3 * K + k), wk, a3);
     }
-    out[m] = hsum(a0), out[m + 1] = hsum(a1), out[m + 2] = hsum(a2), out[m + 3] = hsum(a3);
+    out[m] = hsum8(a0), out[m + 1] = hsum8(a1), out[m + 2] = hsum8(a2), out[m + 3] = hsum8(a3);
   }
   if (m + 2 <= M) {  // 2 rows x 2 interleaved k-chunks: 4 independent FMA chains hide FMA latency
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
     const float* x0 = x + m * K;
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-      const __m256 w0 = load_bf16x8(w + k), w1 = load_bf16x8(w + k + 8);
+      const __m256 w0 = load8(wb + k), w1 = load8(wb + k + 8);
       a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), w0, a0);
       a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + K + k), w0, a1);
       b0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 8), w1, b0);
       b1 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + K + k + 8), w1, b1);
     }
     for (; k < K; k += 8) {
-      const __m256 wk = load_bf16x8(w + k);
+      const __m256 wk = load8(wb + k);
       a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), wk, a0);
       a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + K + k), wk, a1);
     }
-    out[m] = hsum(_mm256_add_ps(a0, b0)), out[m + 1] = hsum(_mm256_add_ps(a1, b1));
+    out[m] = hsum8(_mm256_add_ps(a0, b0)), out[m + 1] = hsum8(_mm256_add_ps(a1, b1));
     m += 2;
   }
   if (m < M) {  // the last row: 4 k-chunks in flight (one accumulator would wait on each FMA)
@@ -89,13 +78,13 @@ __attribute__((target("avx2,fma"))) void dot_rows_avx2(const float* x, const uin
     const float* x0 = x + m * K;
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), load_bf16x8(w + k), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 8), load_bf16x8(w + k + 8), a1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 16), load_bf16x8(w + k + 16), a2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 24), load_bf16x8(w + k + 24), a3);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), load8(wb + k), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 8), load8(wb + k + 8), a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 16), load8(wb + k + 16), a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 24), load8(wb + k + 24), a3);
     }
-    for (; k < K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), load_bf16x8(w + k), a0);
-    out[m] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; k < K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), load8(wb + k), a0);
+    out[m] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
   }
 }
 #endif
@@ -104,7 +93,7 @@ using DotRows = void (*)(const float*, const uint16_t*, int64_t, int64_t, float*
 
 DotRows pick_kernel(int64_t K) {
 #if defined(__x86_64__)
-  if (K % 8 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return dot_rows_avx2;
+  if (K % 8 == 0 && eagle::cpu::has_avx2()) return dot_rows_avx2;
 #endif
   return dot_rows_scalar;
 }

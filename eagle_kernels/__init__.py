@@ -1,16 +1,17 @@
-"""EAGLE kernels: tree-masked paged attention, top-k expansion, tree building, tree rejection sampling.
+"""EAGLE kernels: fused layer ops, tree-masked paged attention, top-k expansion, tree building, tree rejection sampling.
 
 Public functions pick the implementation by device (Triton on CUDA, C++ / torch on CPU). Contracts:
 DESIGN.md. This package knows nothing of `engine`.
 """
 from .attention import move_kv, paged_attention, write_kv
 from .expand import topk_expand
+from .layer_ops import apply_rope, rms_norm, rope_write_kv, silu_and_mul
 from .linear import linear
 from .rejection import tree_accept_greedy, tree_accept_sample
 from .sampling import sampling_probs
 from .tree import TreeIndex, build_tree
 
 __all__ = [
-    "linear", "paged_attention", "write_kv", "move_kv", "topk_expand", "sampling_probs",
+    "linear", "rms_norm", "silu_and_mul", "apply_rope", "rope_write_kv", "paged_attention", "write_kv", "move_kv", "topk_expand", "sampling_probs",
     "build_tree", "TreeIndex", "tree_accept_greedy", "tree_accept_sample",
 ]

@@ -1,7 +1,8 @@
 """Tree-masked paged attention over a block-paged KV cache, and the cache writes it relies on.
 
-Contracts: DESIGN.md ("paged_attention", "write_kv", "move_kv"). `paged_attention` runs the Triton kernel for
-CUDA tensors when Triton is importable and the torch path otherwise (CPU: one fused SDPA call per sequence).
+Contracts: DESIGN.md ("paged_attention", "write_kv", "move_kv"). `paged_attention` runs the C++ kernel on the
+CPU (csrc/cpu_attention.cpp), the Triton kernel for CUDA tensors when Triton is importable, and the torch path
+(one SDPA call per sequence) otherwise; the torch path is also what the others are tested against.
 """
 import functools
 import math
@@ -16,7 +17,10 @@ try:
 except ImportError:  # CPU-only installs: the torch path serves every device
     triton = None
 
+from ._ops import has_kernel, ops
+
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_CPU_KERNEL = has_kernel("paged_attention", torch.device("cpu"))
 
 
 def _fail(msg):
@@ -56,6 +60,8 @@ def _check_paged_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_le
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask=None, scale=None):
     """q: [T, Hq, D] packed new tokens -> [T, Hq, D]; see DESIGN.md for the masking rule."""
+    if q.device.type == "cpu" and _CPU_KERNEL:  # checks its arguments itself, with the messages below
+        return ops().paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
     impl = paged_attention_triton if q.is_cuda and triton is not None else paged_attention_torch
     return impl(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
 

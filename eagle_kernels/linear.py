@@ -2,7 +2,7 @@
 
 On AVX2-only CPUs torch widens bf16 weights at ~10 GB/s; `eagle::linear_bf16` streams them at the fp32
 GEMV's speed for decode-sized batches (<= 32 rows), and larger batches run as an fp32 GEMM. GPUs,
-fp32/fp16 and autograd go straight to torch.
+fp32/fp16 and anything that needs a gradient go straight to torch.
 """
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,8 @@ _CPU_OP = has_kernel("linear_bf16", torch.device("cpu"))  # looked up once: the 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., K], weight: [N, K] -> [..., N]; F.linear's contract."""
-    if weight.dtype != torch.bfloat16 or x.is_cuda or bias is not None or torch.is_grad_enabled():
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if weight.dtype != torch.bfloat16 or x.is_cuda or bias is not None or needs_grad:
         return F.linear(x, weight, bias)
     if x.numel() <= MAX_ROWS * x.shape[-1] and _CPU_OP and weight.is_contiguous():
         rows = x.reshape(-1, x.shape[-1])

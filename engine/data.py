@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from .model import apply_rope
+from eagle_kernels import apply_rope
 
 HELDOUT_PER_MILLE = 20  # ~2% of ShareGPT conversations, chosen by id hash: never trained on
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}

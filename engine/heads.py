@@ -36,8 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle_kernels import apply_rope
+
 from .config import LlamaConfig
-from .model import MLP, Attention, AttnMeta, Llama, RMSNorm, Rotary, apply_rope
+from .model import MLP, Attention, AttnMeta, Linear, Llama, RMSNorm, Rotary
 
 # Fused engine weights and the official per-projection names they are stored as (in concatenation order).
 _SPLIT = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -179,7 +181,7 @@ class Eagle1Head(DraftHead):
     def __init__(self, cfg: LlamaConfig, target: Llama, bias: bool = True):
         super().__init__(cfg, target)
         H = cfg.hidden_size
-        self.fc = nn.Linear(2 * H, H, bias=bias)
+        self.fc = Linear(2 * H, H, bias=bias)
         self.layers = nn.ModuleList([HeadLayer(self.cfg, H)])
 
     @property
@@ -214,12 +216,12 @@ class Eagle3Head(DraftHead):
         Vd = draft_vocab_size or V
         if not 0 < Vd <= V:
             raise ValueError(f"draft_vocab_size must be in [1, {V}], got {Vd}")
-        self.fc = nn.Linear(3 * H, H, bias=False)
+        self.fc = Linear(3 * H, H, bias=False)
         self.midlayer = HeadLayer(self.cfg, 2 * H)
         self.midlayer.input_layernorm = RMSNorm(H, cfg.rms_eps)
         self.midlayer.hidden_norm = RMSNorm(H, cfg.rms_eps)
         self.norm = RMSNorm(H, cfg.rms_eps)
-        self.lm_head = nn.Linear(H, Vd, bias=False)
+        self.lm_head = Linear(H, Vd, bias=False)
         # Until a trainer sets the real mapping, draft id i is target id i.
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))
         self.register_buffer("t2d", torch.arange(V) < Vd)

@@ -98,6 +98,7 @@ class LLM:
                                                  add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
+    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  on_tokens: Callable[[Sequence, list[int]], None] | None = None) -> tuple[list[Sequence], RunStats]:
         """Token-id prompts -> finished sequences (in prompt order) and aggregate stats."""

@@ -9,7 +9,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import eagle_kernels
@@ -39,11 +38,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalised in fp32, rounded to the model dtype, then scaled: HF's order, in three ops.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x); with `residual`: residual += x in place, -> norm(residual) (the fused pre-norm add)."""
+        return eagle_kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -78,13 +75,6 @@ class Rotary(nn.Module):
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos, sin: [T, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, in_dim: int | None = None):
         super().__init__()
@@ -95,16 +85,12 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.nq * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttnMeta):
-        # x: [T, in_dim]
-        T = x.shape[0]
-        qkv = self.qkv_proj(x).view(T, self.nq + 2 * self.nkv, self.hd)
-        qk = apply_rope(qkv[:, :self.nq + self.nkv], cos, sin)  # q and k heads rotated in one pass
-        q, k, v = qk[:, :self.nq], qk[:, self.nq:], qkv[:, self.nq + self.nkv:]
+        # x: [T, in_dim]; cos, sin: [T, D]
         k_cache, v_cache = kv_cache
-        eagle_kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = eagle_kernels.rope_write_kv(self.qkv_proj(x), cos, sin, k_cache, v_cache, meta.slot_mapping, self.nq)
         o = eagle_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                          meta.prefix_lens, meta.tree_mask)
-        return self.o_proj(o.reshape(T, self.nq * self.hd))
+                                          meta.prefix_lens, meta.tree_mask)  # [T, Hq, D]
+        return self.o_proj(o.reshape(x.shape[0], self.nq * self.hd))
 
 
 class MLP(nn.Module):
@@ -114,8 +100,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(eagle_kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -126,9 +111,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, kv_cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, delta, residual, cos, sin, kv_cache, meta):
+        """residual: the hidden state [T, H] before `delta`, the previous layer's MLP output (None at layer 0),
+        is added; the fused norms do both residual adds in place. -> this layer's MLP output [T, H]."""
+        x = self.input_layernorm(residual) if delta is None else self.input_layernorm(delta, residual)
+        x = self.post_attention_layernorm(self.self_attn(x, cos, sin, kv_cache, meta), residual)
+        return self.mlp(x)
 
 
 class Llama(nn.Module):
@@ -146,14 +134,14 @@ class Llama(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: AttnMeta, capture: tuple[int, ...] = ()):
         """input_ids, positions: [T]. Returns the final normed feature [T, H] (EAGLE-1's feature, the LM
         head's input) and the inputs of the layers in `capture` (EAGLE-3's low/mid/high features)."""
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, h.dtype)
-        captured = []
+        residual = self.embed_tokens(input_ids)   # [T, H], the hidden state, updated in place
+        cos, sin = self.rotary(positions, torch.float32)
+        delta, captured = None, []
         for i, layer in enumerate(self.layers):
-            if i in capture:
-                captured.append(h)
-            h = layer(h, cos, sin, kv_caches[i], meta)
-        return self.norm(h), captured
+            if i in capture:  # layer i's input: a copy, since the residual keeps changing in place
+                captured.append(residual.clone() if delta is None else residual + delta)
+            delta = layer(delta, residual, cos, sin, kv_caches[i], meta)
+        return self.norm(delta, residual), captured
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
         # feature: [N, H] -> fp32 logits [N, V]

@@ -1,0 +1,167 @@
+// Fused per-layer ops for CPU decode: RMSNorm with the residual add, SiLU-and-mul, and RoPE + KV-cache
+// write. At decode sizes each torch op costs more in dispatch than in arithmetic, and the unfused layer
+// ran ~20 of them; each of these is one call.
+//
+// Math is fp32 with the rounding points of the Hugging Face Llama (and of the torch paths in
+// eagle_kernels/layer_ops.py): for 16-bit dtypes the normalised hidden state is rounded before the
+// weight multiply, and silu(gate) before the multiply by up.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace {
+
+constexpr int64_t kRowsPerTask = 16;  // small steps run inline: a thread hand-off costs more than a row
+
+template <typename T>
+inline float round_trip(float v) {  // the value v takes when stored in T
+  return static_cast<float>(static_cast<T>(v));
+}
+
+void check_rows(const at::Tensor& x, const char* op) {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op,
+                    ": x must be float32, bfloat16 or float16, got ", dt);
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.device().is_cpu(), op, ": x must be a CPU tensor [..., H]");
+}
+
+// residual (when given) += x in place, then out = rms_norm(residual or x) * weight.
+at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight, double eps,
+                        const c10::optional<at::Tensor>& residual) {
+  check_rows(x_in, "rms_norm");
+  const int64_t H = x_in.size(-1);
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == H && weight.scalar_type() == x_in.scalar_type(),
+                    "rms_norm: weight must be [", H, "] of x's dtype, got ", weight.scalar_type(), " ", weight.sizes());
+  if (residual) {
+    TORCH_CHECK_VALUE(residual->sizes() == x_in.sizes() && residual->scalar_type() == x_in.scalar_type() &&
+                          residual->is_contiguous(),
+                      "rms_norm: residual must be a contiguous tensor of x's shape and dtype");
+  }
+  const at::Tensor x = x_in.contiguous(), w = weight.contiguous();
+  at::Tensor out = at::empty_like(x);
+  const int64_t rows = x.numel() / H;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_cpu", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* rp = residual ? residual->data_ptr<scalar_t>() : nullptr;
+    scalar_t* op = out.data_ptr<scalar_t>();
+    constexpr bool kWide = std::is_same_v<scalar_t, float>;
+    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* src = xp + r * H;
+        if (rp) {  // the sum is stored in the model dtype first, as the unfused `h = h + x` does
+          scalar_t* res = rp + r * H;
+          for (int64_t d = 0; d < H; ++d) res[d] = static_cast<scalar_t>(static_cast<float>(res[d]) + static_cast<float>(src[d]));
+          src = res;
+        }
+        float ss = 0.f;
+        for (int64_t d = 0; d < H; ++d) ss += static_cast<float>(src[d]) * static_cast<float>(src[d]);
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+        scalar_t* o = op + r * H;
+        for (int64_t d = 0; d < H; ++d) {
+          const float normed = static_cast<float>(src[d]) * inv;
+          o[d] = static_cast<scalar_t>((kWide ? normed : round_trip<scalar_t>(normed)) * static_cast<float>(wp[d]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// x: [..., 2I] = [gate | up] -> silu(gate) * up: [..., I].
+at::Tensor silu_and_mul_cpu(const at::Tensor& x_in) {
+  check_rows(x_in, "silu_and_mul");
+  TORCH_CHECK_VALUE(x_in.size(-1) % 2 == 0, "silu_and_mul: the last dim must be even, got ", x_in.size(-1));
+  const at::Tensor x = x_in.contiguous();
+  const int64_t I = x.size(-1) / 2, rows = x.numel() / (2 * I);
+  auto shape = x.sizes().vec();
+  shape.back() = I;
+  at::Tensor out = at::empty(shape, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul_cpu", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t *gate = xp + r * 2 * I, *up = gate + I;
+        for (int64_t d = 0; d < I; ++d) {
+          const float g = static_cast<float>(gate[d]);
+          const float act = round_trip<scalar_t>(g / (1.f + std::exp(-g)));
+          op[r * I + d] = static_cast<scalar_t>(act * static_cast<float>(up[d]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// qkv: [T, (Hq + 2 Hkv) * D] (q heads, k heads, v heads); cos, sin: [T, D] in the half-split layout.
+// Rotates q and k, writes k and v to the cache slots, returns the rotated q [T, Hq, D].
+at::Tensor rope_write_kv_cpu(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                             int64_t num_q_heads) {
+  check_rows(qkv_in, "rope_write_kv");
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                        v_cache.is_contiguous() && k_cache.scalar_type() == qkv_in.scalar_type() &&
+                        v_cache.scalar_type() == qkv_in.scalar_type(),
+                    "rope_write_kv: k_cache/v_cache must be contiguous [num_blocks, block_size, Hkv, D] of qkv's dtype");
+  const int64_t T = qkv_in.size(0), Hkv = k_cache.size(2), D = k_cache.size(3), Hq = num_q_heads;
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK_VALUE(qkv_in.dim() == 2 && qkv_in.size(1) == (Hq + 2 * Hkv) * D && D % 2 == 0,
+                    "rope_write_kv: qkv must be [T, (Hq + 2 Hkv) * D] = [T, ", (Hq + 2 * Hkv) * D, "], got ",
+                    qkv_in.sizes());
+  TORCH_CHECK_VALUE(cos_in.sizes() == at::IntArrayRef({T, D}) && sin_in.sizes() == cos_in.sizes(),
+                    "rope_write_kv: cos and sin must be [T, D] = [", T, ", ", D, "], got ", cos_in.sizes(), " and ",
+                    sin_in.sizes());
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == T &&
+                        (slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt),
+                    "rope_write_kv: slot_mapping must be int64 or int32 [T]");
+  const at::Tensor qkv = qkv_in.contiguous(), slot = slot_mapping.to(at::kLong).contiguous();
+  const at::Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK_VALUE(sp[t] >= 0 && sp[t] < slots, "rope_write_kv: slot_mapping[", t, "] = ", sp[t],
+                      " is outside the cache's ", slots, " slots");
+  }
+  at::Tensor q = at::empty({T, Hq, D}, qkv.options());
+  const int64_t half = D / 2;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_write_kv_cpu", [&] {
+    const scalar_t* xp = qkv.data_ptr<scalar_t>();
+    const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+    scalar_t *qp = q.data_ptr<scalar_t>(), *kp = k_cache.data_ptr<scalar_t>(), *vp = v_cache.data_ptr<scalar_t>();
+    auto rotate = [&](const scalar_t* x, const float* c, const float* s, scalar_t* o) {
+      for (int64_t d = 0; d < half; ++d) {
+        const float a = static_cast<float>(x[d]), b = static_cast<float>(x[d + half]);
+        o[d] = static_cast<scalar_t>(a * c[d] - b * s[d]);
+        o[d + half] = static_cast<scalar_t>(b * c[d + half] + a * s[d + half]);
+      }
+    };
+    at::parallel_for(0, T, kRowsPerTask, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const scalar_t* row = xp + t * (Hq + 2 * Hkv) * D;
+        const float *c = cp + t * D, *s = snp + t * D;
+        for (int64_t h = 0; h < Hq; ++h) rotate(row + h * D, c, s, qp + (t * Hq + h) * D);
+        scalar_t *kdst = kp + sp[t] * Hkv * D, *vdst = vp + sp[t] * Hkv * D;
+        for (int64_t h = 0; h < Hkv; ++h) rotate(row + (Hq + h) * D, c, s, kdst + h * D);
+        std::copy(row + (Hq + Hkv) * D, row + (Hq + 2 * Hkv) * D, vdst);
+      }
+    });
+  });
+  return q;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(eagle, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual=None) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rope_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache,"
+        " Tensor slot_mapping, int num_q_heads) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(eagle, CPU, m) {
+  m.impl("rms_norm", &rms_norm_cpu);
+  m.impl("silu_and_mul", &silu_and_mul_cpu);
+  m.impl("rope_write_kv", &rope_write_kv_cpu);
+}
