@@ -23,7 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .data import build_draft_vocab, shard_paths, token_counts
-from .heads import DraftHead, new_head
+from .heads import DraftHead, load_head, new_head
 from .train_ttt import eagle1_loss, eagle3_loss
 
 
@@ -112,6 +112,12 @@ class HeadLoss(nn.Module):
 
 def make_head(args, target) -> DraftHead:
     torch.manual_seed(args.seed)
+    if args.init:  # warm start: weights and draft vocabulary of an exported head
+        head = load_head(args.init, target, kind=args.head).float().train()
+        if args.head == "eagle3" and head.lm_head.out_features != args.draft_vocab:
+            raise ValueError(f"--init head has a {head.lm_head.out_features}-token draft vocabulary, "
+                             f"--draft-vocab says {args.draft_vocab}")
+        return head
     if args.head == "eagle":
         return new_head("eagle", target).float().train()
     head = new_head("eagle3", target, draft_vocab_size=args.draft_vocab).float().train()
@@ -239,6 +245,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="the target (its embedding and LM head)")
     p.add_argument("--head", choices=["eagle3", "eagle"], default="eagle3")
     p.add_argument("--draft-vocab", type=int, default=16384)
+    p.add_argument("--init", help="start from this exported head (e.g. to continue on new data) instead of "
+                                  "a fresh one; a fresh optimizer and schedule")
     p.add_argument("--ttt-steps", type=int, default=7, help="unrolled training-time-test steps (EAGLE-3)")
     p.add_argument("--steps", type=int, default=1000, help="total optimizer steps")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per packed row")

@@ -177,3 +177,20 @@ def test_resume_is_bit_identical(tmp_path):
     full = [json.loads(x)["loss"] for x in open(tmp_path / "full" / "train_log.jsonl")]
     pieces = [json.loads(x)["loss"] for x in open(tmp_path / "pieces" / "train_log.jsonl")]
     assert full == pieces
+
+
+def test_init_continues_from_an_exported_head(tmp_path):
+    model = peaked_target()
+    root = write_tiny_data(tmp_path, model)
+    train(args_for(root, tmp_path / "a", "--steps", "40", "--save-every", "100"), target=model)
+    # A near-zero learning rate: the warm-started head must export exactly the head it started from.
+    train(args_for(root, tmp_path / "b", "--steps", "2", "--lr", "1e-12", "--init", str(tmp_path / "a" / "head")),
+          target=model)
+    a, b = load_head(tmp_path / "a" / "head", model), load_head(tmp_path / "b" / "head", model)
+    for (name, ta), tb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(ta, tb), name
+    first = lambda run: json.loads(open(tmp_path / run / "train_log.jsonl").readline())["loss"]  # noqa: E731
+    assert first("b") < first("a")  # it starts where run a ended, not from scratch
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        train(args_for(root, tmp_path / "c", "--steps", "1", "--draft-vocab", "32",
+                       "--init", str(tmp_path / "a" / "head")), target=model)
