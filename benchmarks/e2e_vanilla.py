@@ -1,10 +1,10 @@
 """Vanilla decoding: our engine against transformers' `generate` on the same GGUF, side by side in one run.
 
-    python benchmarks/e2e_vanilla.py [--dtypes bfloat16 float32] [--prompts 5] [--new-tokens 64]
+    python benchmarks/e2e_vanilla.py [--dtypes bfloat16 float32] [--prompts 5] [--new-tokens 64] [--repeats 1]
 
 Both sides generate exactly --new-tokens tokens per prompt (EOS ignored), batch size 1, greedy, the same
-thread count; each prompt is timed end to end (prefill + decode). Prints per-dtype median tokens/s and the
-ratio ours / transformers.
+thread count; each prompt is timed end to end (prefill + decode), ours and transformers alternating prompt by
+prompt. Prints per-dtype median tokens/s and the ratio of the medians, ours / transformers.
 """
 from __future__ import annotations
 
@@ -29,29 +29,36 @@ PROMPTS = [
 ]
 
 
-def time_ours(llm: LLM, prompt_ids, new_tokens: int) -> list[float]:
+def ours_runner(llm: LLM, new_tokens: int):
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    llm.generate([prompt_ids[0]], SamplingParams(max_new_tokens=4))  # warm-up
-    rates = []
-    for ids in prompt_ids:
-        t0 = time.perf_counter()
+
+    def run(ids) -> int:
         seqs, _ = llm.generate([ids], params)
-        rates.append(len(seqs[0].output_ids) / (time.perf_counter() - t0))
-    return rates
+        return len(seqs[0].output_ids)
+    return run
 
 
-def time_transformers(model, prompt_ids, new_tokens: int) -> list[float]:
-    def run(ids, n):
+def transformers_runner(model, new_tokens: int):
+    def run(ids) -> int:
         x = torch.tensor([ids])
         with torch.no_grad():
-            return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                                  min_new_tokens=n, do_sample=False)
-    run(prompt_ids[0], 4)
-    rates = []
-    for ids in prompt_ids:
-        t0 = time.perf_counter()
-        out = run(ids, new_tokens)
-        rates.append((out.shape[1] - len(ids)) / (time.perf_counter() - t0))
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False)
+        return out.shape[1] - len(ids)
+    return run
+
+
+def paired_rates(runners, prompt_ids, repeats: int) -> list[list[float]]:
+    """tokens/s per runner, interleaved prompt by prompt so that machine drift hits both sides alike."""
+    for run in runners:
+        run(prompt_ids[0])  # warm-up
+    rates = [[] for _ in runners]
+    for _ in range(repeats):
+        for ids in prompt_ids:
+            for run, out in zip(runners, rates):
+                t0 = time.perf_counter()
+                n = run(ids)
+                out.append(n / (time.perf_counter() - t0))
     return rates
 
 
@@ -61,6 +68,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -73,8 +81,8 @@ def main():
         path = llm.source.path
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                   dtype=DTYPES[dtype]).eval()
-        ours = statistics.median(time_ours(llm, prompt_ids, args.new_tokens))
-        theirs = statistics.median(time_transformers(hf, prompt_ids, args.new_tokens))
+        runners = [ours_runner(llm, args.new_tokens), transformers_runner(hf, args.new_tokens)]
+        ours, theirs = map(statistics.median, paired_rates(runners, prompt_ids, args.repeats))
         print(f"{dtype:10s} {ours:11.1f} {theirs:9.1f} {ours / theirs:6.2f}x", flush=True)
         del llm, hf
 
