@@ -1,4 +1,4 @@
-"""paged_attention: torch path (every device) and Triton kernel (CUDA) against the dense reference.
+"""paged_attention: C++ kernel (CPU), torch path (every device) and Triton kernel (CUDA) against the dense reference.
 
 Bytes moved = the K/V each sequence reads once (prefix + new tokens, all kv heads) + q in + out, which is
 what a GQA-grouped kernel must stream; run with `pytest benchmarks/ --benchmark-only`.
@@ -28,6 +28,8 @@ DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 IMPLS = {"torch": attention.paged_attention_torch, "reference": ref_paged_attention_dense}
 if DEVICE.type == "cuda" and attention.triton is not None:
     IMPLS["triton"] = attention.paged_attention_triton
+if DEVICE.type == "cpu":
+    IMPLS["cpp"] = attention.paged_attention  # eagle::paged_attention on CPU tensors
 
 
 def make_inputs(prefixes, ns, hq, hkv, d, tree):
