@@ -87,6 +87,43 @@ EAGLE_AVX2 void dot_rows_avx2(const float* x, const uint16_t* w, int64_t M,
     out[m] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
   }
 }
+
+// Four weight rows against MB rows of x: 4 x MB accumulators in registers (12 + 3 x vectors + 1 weight
+// vector = all 16 ymm at MB = 3), so each loaded weight vector feeds MB FMAs and each x vector 4 -- the
+// single-row kernel above reloads x for every weight row, which caps it at ~1.6 FMAs a cycle once M > 1.
+// out: [4, ldo], column m = x row m.
+template <int MB>
+EAGLE_AVX2 inline void block4(const float* x, const c10::BFloat16* w, int64_t K, float* out, int64_t ldo) {
+  using eagle::cpu::hsum8;
+  using eagle::cpu::load8;
+  __m256 acc[4][MB];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 3
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 xv[MB];
+#pragma GCC unroll 3
+    for (int j = 0; j < MB; ++j) xv[j] = _mm256_loadu_ps(x + j * K + k);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m256 wv = load8(w + i * K + k);
+#pragma GCC unroll 3
+      for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_fmadd_ps(xv[j], wv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < MB; ++j) out[i * ldo + j] = hsum8(acc[i][j]);
+}
+
+// Weight rows n .. n+3 against all M rows of x (K % 8 == 0) -> out [4, ldo].
+EAGLE_AVX2 void dot4_rows_avx2(const float* x, const uint16_t* w, int64_t M, int64_t K, float* out, int64_t ldo) {
+  const auto* wb = reinterpret_cast<const c10::BFloat16*>(w);
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) block4<3>(x + m * K, wb, K, out + m, ldo);
+  if (M - m == 2) block4<2>(x + m * K, wb, K, out + m, ldo);
+  if (M - m == 1) block4<1>(x + m * K, wb, K, out + m, ldo);
+}
 #endif
 
 using DotRows = void (*)(const float*, const uint16_t*, int64_t, int64_t, float*);
@@ -118,13 +155,28 @@ at::Tensor linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w) {
   const float* xp = xf.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   const DotRows dot = pick_kernel(K);
+#if defined(__x86_64__)
+  const bool blocked = dot == dot_rows_avx2 && M > 1;  // M = 1 is bandwidth-bound: the row kernel is as fast
+#else
+  const bool blocked = false;
+#endif
   const bool out_bf16 = x.scalar_type() == at::kBFloat16;
+  auto store = [&](int64_t n, const float* col) {
+    if (out_bf16) store_column(y.data_ptr<at::BFloat16>(), n, N, col, M);
+    else store_column(y.data_ptr<float>(), n, N, col, M);
+  };
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    float col[kMaxRows];
-    for (int64_t n = n0; n < n1; ++n) {
-      dot(xp, wp + n * K, M, K, col);
-      if (out_bf16) store_column(y.data_ptr<at::BFloat16>(), n, N, col, M);
-      else store_column(y.data_ptr<float>(), n, N, col, M);
+    float cols[4][kMaxRows];
+    int64_t n = n0;
+#if defined(__x86_64__)
+    for (; blocked && n + 4 <= n1; n += 4) {
+      dot4_rows_avx2(xp, wp + n * K, M, K, cols[0], kMaxRows);
+      for (int i = 0; i < 4; ++i) store(n + i, cols[i]);
+    }
+#endif
+    for (; n < n1; ++n) {  // the chunk's last rows (and CPUs without AVX2)
+      dot(xp, wp + n * K, M, K, cols[0]);
+      store(n, cols[0]);
     }
   });
   return y;

@@ -6,8 +6,8 @@ import eagle_kernels
 from eagle_kernels._ops import ops
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 17, 32])
-@pytest.mark.parametrize("K, N", [(64, 96), (576, 1536), (40, 7), (13, 33)])  # K % 8 != 0: scalar path
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 17, 31, 32])
+@pytest.mark.parametrize("K, N", [(64, 96), (576, 1536), (40, 7), (64, 99), (13, 33)])  # K % 8 != 0: scalar path
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_linear_bf16_matches_fp32_reference(M, K, N, x_dtype):
     g = torch.Generator().manual_seed(M * 1000 + K + N)
