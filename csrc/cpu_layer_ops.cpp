@@ -11,6 +11,8 @@
 
 #include <cmath>
 
+#include "cpu_vec.h"
+
 namespace {
 
 constexpr int64_t kRowsPerTask = 16;  // small steps run inline: a thread hand-off costs more than a row
@@ -70,6 +72,29 @@ at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight, double
   return out;
 }
 
+template <typename T>
+void silu_mul_row_scalar(const T* gate, const T* up, T* out, int64_t I, int64_t from) {
+  for (int64_t d = from; d < I; ++d) {
+    const float g = static_cast<float>(gate[d]);
+    out[d] = static_cast<T>(round_trip<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[d]));
+  }
+}
+
+#if defined(__x86_64__)
+// The scalar loop spends ~8 ns an element in std::exp; this one evaluates 8 exps at once.
+template <typename T>
+EAGLE_AVX2 void silu_mul_row_avx2(const T* gate, const T* up, T* out, int64_t I) {
+  using namespace eagle::cpu;
+  int64_t d = 0;
+  for (; d + 8 <= I; d += 8) {
+    const __m256 g = load8(gate + d);
+    const __m256 act = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    store8(out + d, _mm256_mul_ps(round_trip8(act, gate), load8(up + d)));
+  }
+  silu_mul_row_scalar(gate, up, out, I, d);
+}
+#endif
+
 // x: [..., 2I] = [gate | up] -> silu(gate) * up: [..., I].
 at::Tensor silu_and_mul_cpu(const at::Tensor& x_in) {
   check_rows(x_in, "silu_and_mul");
@@ -85,11 +110,15 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x_in) {
     at::parallel_for(0, rows, kRowsPerTask, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const scalar_t *gate = xp + r * 2 * I, *up = gate + I;
-        for (int64_t d = 0; d < I; ++d) {
-          const float g = static_cast<float>(gate[d]);
-          const float act = round_trip<scalar_t>(g / (1.f + std::exp(-g)));
-          op[r * I + d] = static_cast<scalar_t>(act * static_cast<float>(up[d]));
+#if defined(__x86_64__)
+        if constexpr (!std::is_same_v<scalar_t, double>) {
+          if (eagle::cpu::has_avx2()) {
+            silu_mul_row_avx2(gate, up, op + r * I, I);
+            continue;
+          }
         }
+#endif
+        silu_mul_row_scalar(gate, up, op + r * I, I, 0);
       }
     });
   });

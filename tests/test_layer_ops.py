@@ -53,6 +53,14 @@ def test_silu_and_mul_matches_torch(rows, inter, dtype):
     close(ops().silu_and_mul(x), layer_ops.silu_and_mul_torch(x), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul_over_the_whole_range(dtype):
+    """The vectorised exp saturates at the fp32 range's ends instead of overflowing."""
+    gate = torch.linspace(-120, 120, 1003).to(dtype)
+    x = torch.cat([gate, rand(1003, dtype=dtype, seed=9)])[None]
+    close(ops().silu_and_mul(x), layer_ops.silu_and_mul_torch(x), dtype)
+
+
 def rope_case(T, hq, hkv, d, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     qkv = rand(T, (hq + 2 * hkv) * d, dtype=dtype, seed=seed)
