@@ -76,36 +76,55 @@ void attend_scalar(const float* q, const T* kc, const T* vc, const std::vector<i
 }
 
 #if defined(__x86_64__)
-// attend_scalar for D % 8 == 0.
-template <typename T>
+EAGLE_AVX2 void softmax_rows_avx2(float* scores, int64_t G, int64_t count) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * count;
+    const float m = *std::max_element(s, s + count);
+    const __m256 mv = _mm256_set1_ps(m);
+    int64_t j = 0;
+    for (; j + 8 <= count; j += 8) _mm256_storeu_ps(s + j, eagle::cpu::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
+    for (; j < count; ++j) s[j] = std::exp(s[j] - m);
+  }
+}
+
+// attend_scalar for D = 8 * DV. Row-outer loops: one q row (pass 1) or one output row (pass 2) stays in
+// DV registers while the keys stream past, instead of being reloaded and stored for every key.
+template <typename T, int DV>
 EAGLE_AVX2 void attend_avx2(const float* q, const T* kc, const T* vc, const std::vector<int64_t>& rows,
                             const Layout& L, float* scores, float* acc) {
   using eagle::cpu::hsum8;
   using eagle::cpu::load8;
   const int64_t count = rows.size();
-  for (int64_t j = 0; j < count; ++j) {
-    const T* k = kc + rows[j];
-    for (int64_t g = 0; g < L.G; ++g) {
-      const float* qg = q + g * L.D;
+  for (int64_t g = 0; g < L.G; ++g) {
+    __m256 qv[DV];
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i) qv[i] = _mm256_loadu_ps(q + g * L.D + 8 * i);
+    float* s = scores + g * count;
+    for (int64_t j = 0; j < count; ++j) {
+      const T* k = kc + rows[j];
       __m256 a0 = _mm256_setzero_ps(), a1 = a0;  // two chains: one would wait on each FMA
-      int64_t d = 0;
-      for (; d + 16 <= L.D; d += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(k + d), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), load8(k + d + 8), a1);
+#pragma GCC unroll 16
+      for (int i = 0; i < DV; i += 2) {
+        a0 = _mm256_fmadd_ps(qv[i], load8(k + 8 * i), a0);
+        if (i + 1 < DV) a1 = _mm256_fmadd_ps(qv[i + 1], load8(k + 8 * i + 8), a1);
       }
-      if (d < L.D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(k + d), a0);
-      scores[g * count + j] = hsum8(_mm256_add_ps(a0, a1));
+      s[j] = hsum8(_mm256_add_ps(a0, a1));
     }
   }
-  softmax_rows(scores, L.G, count);
-  for (int64_t j = 0; j < count; ++j) {
-    const T* v = vc + rows[j];
-    for (int64_t g = 0; g < L.G; ++g) {
-      const __m256 p = _mm256_set1_ps(scores[g * count + j]);
-      float* ag = acc + g * L.D;
-      for (int64_t d = 0; d < L.D; d += 8)
-        _mm256_storeu_ps(ag + d, _mm256_fmadd_ps(p, load8(v + d), _mm256_loadu_ps(ag + d)));
+  softmax_rows_avx2(scores, L.G, count);
+  for (int64_t g = 0; g < L.G; ++g) {
+    __m256 av[DV];
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i) av[i] = _mm256_setzero_ps();
+    const float* s = scores + g * count;
+    for (int64_t j = 0; j < count; ++j) {
+      const T* v = vc + rows[j];
+      const __m256 p = _mm256_set1_ps(s[j]);
+#pragma GCC unroll 16
+      for (int i = 0; i < DV; ++i) av[i] = _mm256_fmadd_ps(p, load8(v + 8 * i), av[i]);
     }
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i) _mm256_storeu_ps(acc + g * L.D + 8 * i, av[i]);
   }
 }
 #endif
@@ -118,7 +137,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const bool avx2 = has_avx2() && L.D % 8 == 0;
+  const bool avx2 = has_avx2() && (L.D == 64 || L.D == 128);  // the head sizes of the supported models
   at::parallel_for(0, L.T * L.Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(L.G * L.D), acc(L.G * L.D), scores;
     std::vector<int64_t> rows;
@@ -132,7 +151,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       for (int64_t e = 0; e < L.G * L.D; ++e) qf[e] = static_cast<float>(qt[e]) * L.scale;
       std::fill(acc.begin(), acc.end(), 0.f);
 #if defined(__x86_64__)
-      if (avx2) attend_avx2(qf.data(), kc, vc, rows, L, scores.data(), acc.data());
+      if (avx2 && L.D == 64) attend_avx2<T, 8>(qf.data(), kc, vc, rows, L, scores.data(), acc.data());
+      else if (avx2) attend_avx2<T, 16>(qf.data(), kc, vc, rows, L, scores.data(), acc.data());
       else attend_scalar(qf.data(), kc, vc, rows, L, scores.data(), acc.data());
 #else
       attend_scalar(qf.data(), kc, vc, rows, L, scores.data(), acc.data());
