@@ -1,7 +1,7 @@
 """Speculative decoding end to end: every method on the same prompts in one run, against our vanilla.
 
     python benchmarks/e2e_speculative.py [--prompts 4] [--max-tokens 128] [--dtype float32]
-        [--head DIR] [--eagle-head DIR] [--batch 1] [--threads 1]
+        [--head DIR] [--eagle-head DIR] [--batch 1] [--threads 1] [--trees 3,2,6 ...]
 
 Prompts: the first user turns of held-out ShareGPT conversations (engine.data's split) and HumanEval
 problems, each through the chat template. Greedy decoding with natural stops; the model is loaded once,
@@ -35,7 +35,9 @@ def method_configs(args, target_cfg) -> list[tuple[str, str, dict]]:
             ("sps early-exit", "sps", {"draft": args.draft, "draft_len": args.draft_len}),
             (f"eagle static ({tag(e1)})", "eagle", {"head": e1, "tree": "static"}),
             (f"eagle dynamic ({tag(e1)})", "eagle", {"head": e1, **dyn}),
-            (f"eagle3 dynamic ({tag(e3)})", "eagle3", {"head": e3, **dyn})]
+            (f"eagle3 dynamic ({tag(e3)})", "eagle3", {"head": e3, **dyn})] + [
+            (f"eagle3 d{d}k{k}m{m} ({tag(e3)})", "eagle3", {"head": e3, "depth": d, "topk": k, "tree_tokens": m})
+            for d, k, m in (map(int, t.split(",")) for t in args.trees)]
 
 
 def decoder(llm: LLM, method: str, method_args: dict):
@@ -106,6 +108,8 @@ def main():
     ap.add_argument("--batch", type=int, default=1, help="requests per generate call")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 on shared cores)")
     ap.add_argument("--methods", nargs="+", help="labels' first words to run, e.g. vanilla eagle3")
+    ap.add_argument("--trees", nargs="+", default=[], metavar="D,K,M",
+                    help="extra EAGLE-3 dynamic trees to compare: depth, top-k, verified tokens")
     args = ap.parse_args()
 
     llm = LLM(args.model, args.dtype, max_batch=args.batch, threads=args.threads)

@@ -139,19 +139,27 @@ def chat_tokens(tokenizer, messages: list[dict], max_len: int | None = None) -> 
 
 
 def regenerate(llm, convs: list[list[dict]], max_new_tokens: int, temperature: float = 0.0,
-               turns: int = 1) -> list[list[dict]]:
+               turns: int = 1, max_prompt: int | None = None) -> list[list[dict]]:
     """Replace the assistant replies of the first `turns` rounds by the target's own (batched
-    `LLM.generate`, one batch per round so later rounds see the regenerated history)."""
+    `LLM.generate`, one batch per round so later rounds see the regenerated history). A conversation whose
+    prompt reaches `max_prompt` tokens (or the model's context) ends there: its reply could not be trained
+    on, and ShareGPT has prompts of 20k+ tokens."""
     from .scheduler import SamplingParams
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
+    limit = min(max_prompt or llm.cfg.max_position, llm.cfg.max_position - 1)
     out = [[m for m in c if m["role"] == "user"][:turns] for c in convs]  # the user turns to answer
     hist: list[list[dict]] = [[] for _ in convs]
     for r in range(turns):
-        idx = [i for i, users in enumerate(out) if r < len(users)]
-        prompts = []
-        for i in idx:
-            hist[i].append(out[i][r])
-            prompts.append(_prompt_ids(llm.tokenizer, hist[i]))
+        idx, prompts = [], []
+        for i, users in enumerate(out):
+            if r < len(users):
+                hist[i].append(users[r])
+                ids = _prompt_ids(llm.tokenizer, hist[i])
+                if len(ids) < limit:
+                    idx.append(i)
+                    prompts.append(ids)
+                else:
+                    out[i] = users[:r]  # no reply, no later rounds
         seqs, _ = llm.generate(prompts, params)
         for i, s in zip(idx, seqs):
             text = llm.tokenizer.decode(s.output_ids, skip_special_tokens=True)
@@ -277,7 +285,7 @@ def build_cache(args):
             continue
         chunk = convs[k:k + args.shard_convs]
         if args.replies == "target":
-            chunk = regenerate(llm, chunk, args.max_new_tokens, args.temperature, args.turns)
+            chunk = regenerate(llm, chunk, args.max_new_tokens, args.temperature, args.turns, args.max_len)
         seqs = [chat_tokens(llm.tokenizer, m, args.max_len) for m in chunk]
         seqs = [s for s in seqs if sum(s[1]) > 0]
         write_shard(out / f"shard_{k // args.shard_convs:05d}.safetensors", llm.model, capture, seqs,

@@ -95,6 +95,16 @@ def test_assistant_only_loss_mask(tokenizer):
     assert short == ids[:10] and smask == mask[:10]
 
 
+def test_regenerate_skips_prompts_that_cannot_fit(smollm):
+    convs = [[{"role": "user", "content": "Say hi."}], [{"role": "user", "content": "word " * 400}],
+             [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Red."},
+              {"role": "user", "content": "word " * 400}]]
+    out = data.regenerate(smollm, convs, max_new_tokens=3, turns=2, max_prompt=64)
+    roles = [[m["role"] for m in c] for c in out]
+    assert roles == [["user", "assistant"], ["user"], ["user", "assistant", "user"]]
+    assert out[2][1]["content"] != "Red."  # the first round was regenerated
+
+
 def test_draft_vocab_d2t_t2d():
     V, Vd = 100, 10
     counts = Counter({t: 1000 - 7 * t for t in range(0, 100, 3)})  # 34 seen tokens, frequency by id
