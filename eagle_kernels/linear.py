@@ -1,15 +1,16 @@
 """bf16 linear layers on the CPU, where torch's own bf16 GEMM is slow.
 
 On AVX2-only CPUs torch widens bf16 weights at ~10 GB/s; `eagle::linear_bf16` streams them at the fp32
-GEMV's speed for decode-sized batches (<= 32 rows), and larger batches run as an fp32 GEMM. GPUs,
-fp32/fp16 and anything that needs a gradient go straight to torch.
+GEMV's speed for decode / verification sized batches (<= 256 rows; its results do not depend on the
+batch, which keeps bf16 speculative decoding token-identical to vanilla), and larger batches (prefills)
+run as an fp32 GEMM. GPUs, fp32/fp16 and anything that needs a gradient go straight to torch.
 """
 import torch
 import torch.nn.functional as F
 
 from ._ops import has_kernel, ops
 
-MAX_ROWS = 32  # the op's register blocking targets decode / verify sized batches
+MAX_ROWS = 256  # decode batches and verified trees; past this an fp32 GEMM on a widened weight wins
 _CPU_OP = has_kernel("linear_bf16", torch.device("cpu"))  # looked up once: the dispatcher query is slow
 
 

@@ -231,9 +231,10 @@ def make_eagle(llm, kind: str):
     head = eagle_head(args.get("head"), kind, llm.model)
     shape = args.get("tree", "dynamic")
     if shape == "dynamic":
-        # CPU defaults: a verify forward costs ~2x a decode step at 10 tokens and ~3.7x at 32 (SmolLM2,
-        # fp32, 1 thread), so a small tree wins unless the head is very good.
-        tree = DynamicTree(args.get("depth", 4), args.get("topk", 4), args.get("tree_tokens", 10))
+        # CPU defaults: verifying is compute-bound on a CPU (a 4-row GEMV costs ~2x a 1-row one), so a
+        # small tree wins unless the head is very good; depth 3, top-2, 6 verified tokens measured best for
+        # the shipped head (benchmarks/RESULTS.md, bf16, 2 threads).
+        tree = DynamicTree(args.get("depth", 3), args.get("topk", 2), args.get("tree_tokens", 6))
     elif shape == "static":
         check_args(f"{kind} --tree static", args, {"head", "tree"})
         tree = StaticTree()
