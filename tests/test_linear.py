@@ -7,7 +7,7 @@ from eagle_kernels._ops import ops
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 17, 32, 77])
-@pytest.mark.parametrize("K, N", [(64, 96), (576, 1536), (40, 7), (64, 99), (13, 33)])  # K % 8 != 0: scalar path
+@pytest.mark.parametrize("K, N", [(64, 96), (576, 1536), (1728, 20), (40, 7), (64, 99), (13, 33)])  # K % 16 != 0: scalar path
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_linear_bf16_matches_fp32_reference(M, K, N, x_dtype):
     g = torch.Generator().manual_seed(M * 1000 + K + N)
@@ -21,7 +21,7 @@ def test_linear_bf16_matches_fp32_reference(M, K, N, x_dtype):
     assert (out.float() - ref).abs().max().item() <= tol
 
 
-@pytest.mark.parametrize("K, N", [(576, 99), (13, 10)])
+@pytest.mark.parametrize("K, N", [(576, 99), (1728, 9), (40, 10), (13, 10)])
 def test_linear_bf16_is_batch_invariant(K, N):
     """Each output row is bit-identical whatever the batch around it: verification == decoding."""
     g = torch.Generator().manual_seed(K + N)
