@@ -2,9 +2,10 @@
 // "paged_attention"). The torch path it replaces spent ~80 us per layer on Python-side gathers and
 // per-sequence SDPA launches for a decode step whose arithmetic takes a few microseconds.
 //
-// One task = (new token t, kv head h). Its G = Hq / Hkv query heads share every K/V row it reads. Pass 1
-// writes the scaled scores of all visible keys to a task-local buffer, then an exact fp32 softmax, then
-// pass 2 accumulates the weighted V rows in fp32; the output is rounded to q's dtype once.
+// Per query row (a new token's q head): pass 1 writes the scaled scores of all visible keys to a task-local
+// buffer, then an exact fp32 softmax, then pass 2 accumulates the weighted V rows in fp32; the output is
+// rounded to q's dtype once. With AVX2 one task holds all the rows of a (sequence, kv head) that share the
+// prefix's K/V (run_grouped); otherwise one task per (new token, kv head).
 // Visible keys of new token i of sequence b: every cached prefix position, then new token j iff j <= i
 // (no tree mask) or bit j of tree_mask[t] is set.
 #include <ATen/ATen.h>
@@ -28,17 +29,23 @@ struct Layout {
 };
 
 // Element offsets (into a [num_blocks, block_size, Hkv, D] cache) of the K/V rows that new token i of a
-// sequence sees, in order: its cached prefix, then its visible new tokens.
-void visible_rows(const int32_t* table, int64_t prefix, int64_t n, int64_t i, const int32_t* mask_row,
-                  int64_t kv_head, const Layout& L, std::vector<int64_t>& rows) {
-  rows.clear();
-  auto add = [&](int64_t pos) {
-    const int64_t block = table[pos / L.block_size];
-    rows.push_back(((block * L.block_size + pos % L.block_size) * L.Hkv + kv_head) * L.D);
-  };
-  for (int64_t pos = 0; pos < prefix; ++pos) add(pos);
+// sequence sees, in order: its cached prefix (append_prefix_rows), then its visible new tokens
+// (append_new_rows). Block by block: a division per key costs more than the key's dot product.
+void append_prefix_rows(const int32_t* table, int64_t prefix, int64_t kv_head, const Layout& L,
+                        std::vector<int64_t>& rows) {
+  for (int64_t start = 0; start < prefix; start += L.block_size) {
+    const int64_t base = (static_cast<int64_t>(table[start / L.block_size]) * L.block_size * L.Hkv + kv_head) * L.D;
+    const int64_t len = std::min(L.block_size, prefix - start);
+    for (int64_t o = 0; o < len; ++o) rows.push_back(base + o * L.Hkv * L.D);
+  }
+}
+
+void append_new_rows(const int32_t* table, int64_t prefix, int64_t n, int64_t i, const int32_t* mask_row,
+                     int64_t kv_head, const Layout& L, std::vector<int64_t>& rows) {
   for (int64_t j = 0; j < n; ++j) {
-    if (mask_row ? (mask_row[j >> 5] >> (j & 31)) & 1 : j <= i) add(prefix + j);
+    if (!(mask_row ? (mask_row[j >> 5] >> (j & 31)) & 1 : j <= i)) continue;
+    const int64_t pos = prefix + j, block = table[pos / L.block_size];
+    rows.push_back(((block * L.block_size + pos % L.block_size) * L.Hkv + kv_head) * L.D);
   }
 }
 
@@ -46,6 +53,7 @@ void visible_rows(const int32_t* table, int64_t prefix, int64_t n, int64_t i, co
 void softmax_rows(float* scores, int64_t G, int64_t count) {
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * count;
+    if (count == 0) continue;
     const float m = *std::max_element(s, s + count);
     for (int64_t j = 0; j < count; ++j) s[j] = std::exp(s[j] - m);
   }
@@ -87,85 +95,232 @@ EAGLE_AVX2 void softmax_rows_avx2(float* scores, int64_t G, int64_t count) {
   }
 }
 
-// attend_scalar for D = 8 * DV. Row-outer loops: one q row (pass 1) or one output row (pass 2) stays in
-// DV registers while the keys stream past, instead of being reloaded and stored for every key.
-template <typename T, int DV>
-EAGLE_AVX2 void attend_avx2(const float* q, const T* kc, const T* vc, const std::vector<int64_t>& rows,
-                            const Layout& L, float* scores, float* acc) {
-  using eagle::cpu::hsum8;
-  using eagle::cpu::load8;
-  const int64_t count = rows.size();
-  for (int64_t g = 0; g < L.G; ++g) {
+// The grouped path: one task = the query rows [r0, r1) (row = new token * G + q head) of one sequence and kv
+// head. Prefix keys, which every row sees, are widened to fp32 a block at a time and reused by all the
+// task's rows, instead of once per row; the new tokens' keys, which rows see selectively, are read per row.
+// A row's arithmetic does not depend on the other rows of its task (the same dot-product chains over the same
+// keys in the same order, the same softmax and accumulation order), so a token's output is bit-identical
+// whether it is decoded alone or verified inside a tree: the property that keeps bf16 speculative decoding
+// equal to vanilla. Inner loops are row-outer: a q row (scores) or an output row (PV) stays in DV registers
+// while a block of keys streams past.
+constexpr int64_t kKeyBlock = 16;
+
+// q . k for one key, k either a widened fp32 row or the cache's own row: load8 widens exactly, so both give
+// the same bits.
+template <int DV, typename S>
+EAGLE_AVX2 inline float dot_avx2(const __m256* qv, const S* k) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+#pragma GCC unroll 16
+  for (int i = 0; i < DV; i += 2) {
+    a0 = _mm256_fmadd_ps(qv[i], eagle::cpu::load8(k + 8 * i), a0);
+    if (i + 1 < DV) a1 = _mm256_fmadd_ps(qv[i + 1], eagle::cpu::load8(k + 8 * i + 8), a1);
+  }
+  return eagle::cpu::hsum8(_mm256_add_ps(a0, a1));
+}
+
+template <typename T>
+EAGLE_AVX2 inline void widen_rows(const T* cache, const int64_t* rows, int64_t n, int64_t D, float* out) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + j * D + d, eagle::cpu::load8(cache + rows[j] + d));
+}
+
+struct RowKeys {     // what one query row sees beyond the shared prefix
+  int64_t count;     // prefix + visible new tokens
+  const int64_t* extra;
+  int64_t n_extra;
+};
+
+// Scores of `nk` keys for rows [0, R): k(j) -> the key row (fp32 or T), with q rows staying in registers.
+template <int DV, typename KeyAt>
+EAGLE_AVX2 inline void score_keys(const float* q, int64_t R, int64_t nk, KeyAt k, float* scores, int64_t stride) {
+  for (int64_t r = 0; r < R; ++r) {
     __m256 qv[DV];
 #pragma GCC unroll 16
-    for (int i = 0; i < DV; ++i) qv[i] = _mm256_loadu_ps(q + g * L.D + 8 * i);
-    float* s = scores + g * count;
-    for (int64_t j = 0; j < count; ++j) {
-      const T* k = kc + rows[j];
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0;  // two chains: one would wait on each FMA
-#pragma GCC unroll 16
-      for (int i = 0; i < DV; i += 2) {
-        a0 = _mm256_fmadd_ps(qv[i], load8(k + 8 * i), a0);
-        if (i + 1 < DV) a1 = _mm256_fmadd_ps(qv[i + 1], load8(k + 8 * i + 8), a1);
-      }
-      s[j] = hsum8(_mm256_add_ps(a0, a1));
-    }
+    for (int i = 0; i < DV; ++i) qv[i] = _mm256_loadu_ps(q + r * 8 * DV + 8 * i);
+    for (int64_t j = 0; j < nk; ++j) scores[r * stride + j] = dot_avx2<DV>(qv, k(j));
   }
-  softmax_rows_avx2(scores, L.G, count);
-  for (int64_t g = 0; g < L.G; ++g) {
+}
+
+// acc[r] += sum_j p[r, j] v(j) for rows [0, R), j in order, with an output row staying in registers.
+template <int DV, typename ValAt>
+EAGLE_AVX2 inline void accumulate_values(const float* p, int64_t stride, int64_t R, int64_t nk, ValAt v, float* acc) {
+  for (int64_t r = 0; r < R; ++r) {
     __m256 av[DV];
 #pragma GCC unroll 16
-    for (int i = 0; i < DV; ++i) av[i] = _mm256_setzero_ps();
-    const float* s = scores + g * count;
-    for (int64_t j = 0; j < count; ++j) {
-      const T* v = vc + rows[j];
-      const __m256 p = _mm256_set1_ps(s[j]);
+    for (int i = 0; i < DV; ++i) av[i] = _mm256_loadu_ps(acc + r * 8 * DV + 8 * i);
+    for (int64_t j = 0; j < nk; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[r * stride + j]);
+      const auto* vj = v(j);
 #pragma GCC unroll 16
-      for (int i = 0; i < DV; ++i) av[i] = _mm256_fmadd_ps(p, load8(v + 8 * i), av[i]);
+      for (int i = 0; i < DV; ++i) av[i] = _mm256_fmadd_ps(pj, eagle::cpu::load8(vj + 8 * i), av[i]);
     }
 #pragma GCC unroll 16
-    for (int i = 0; i < DV; ++i) _mm256_storeu_ps(acc + g * L.D + 8 * i, av[i]);
+    for (int i = 0; i < DV; ++i) _mm256_storeu_ps(acc + r * 8 * DV + 8 * i, av[i]);
   }
+}
+
+// Widening a key block costs about two rows' worth of in-register widening: below this many rows, read
+// the cache directly.
+constexpr int64_t kWidenRows = 3;
+
+// q: fp32 [R, D] scaled; scores: [R, stride]; acc: fp32 [R, D] zeroed; buf: fp32 [kKeyBlock, D].
+template <typename T, int DV>
+EAGLE_AVX2 void attend_group_avx2(const float* q, int64_t R, const T* kc, const T* vc,
+                                  const std::vector<int64_t>& prefix_rows, const std::vector<RowKeys>& keys,
+                                  int64_t stride, float* scores, float* acc, float* buf) {
+  constexpr int D = 8 * DV;
+  const int64_t P = prefix_rows.size();
+  const int64_t* pr = prefix_rows.data();
+  const bool widen = R >= kWidenRows;
+  for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
+    const int64_t nk = std::min(kKeyBlock, P - j0);
+    if (widen) {
+      widen_rows(kc, pr + j0, nk, D, buf);
+      score_keys<DV>(q, R, nk, [&](int64_t j) { return buf + j * D; }, scores + j0, stride);
+    } else {
+      score_keys<DV>(q, R, nk, [&](int64_t j) { return kc + pr[j0 + j]; }, scores + j0, stride);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const RowKeys& own = keys[r];
+    score_keys<DV>(q + r * D, 1, own.n_extra, [&](int64_t e) { return kc + own.extra[e]; }, scores + r * stride + P,
+                   stride);
+    if (own.count) softmax_rows_avx2(scores + r * stride, 1, own.count);
+  }
+  for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
+    const int64_t nk = std::min(kKeyBlock, P - j0);
+    if (widen) {
+      widen_rows(vc, pr + j0, nk, D, buf);
+      accumulate_values<DV>(scores + j0, stride, R, nk, [&](int64_t j) { return buf + j * D; }, acc);
+    } else {
+      accumulate_values<DV>(scores + j0, stride, R, nk, [&](int64_t j) { return vc + pr[j0 + j]; }, acc);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const RowKeys& own = keys[r];
+    accumulate_values<DV>(scores + r * stride + P, stride, 1, own.n_extra, [&](int64_t e) { return vc + own.extra[e]; },
+                          acc + r * D);
+  }
+}
+#endif
+
+// Per-row normalisation and the store, shared by both paths: out = acc / sum(p) (a row that sees nothing
+// gets zeros).
+template <typename T>
+void store_row(const float* acc, const float* p, int64_t count, int64_t D, T* out) {
+  float sum = 0.f;
+  for (int64_t j = 0; j < count; ++j) sum += p[j];
+  const float inv = count ? 1.f / sum : 0.f;
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(acc[d] * inv);
+}
+
+// Scalar path (no AVX2, or a head size other than 64 / 128): one task per (new token, kv head).
+template <typename T>
+void run_scalar(const T* qp, const T* kc, const T* vc, const int32_t* tables, const std::vector<int64_t>& seq_of,
+                const int32_t* cu, const int32_t* prefix, const int32_t* mask, const Layout& L, T* op) {
+  at::parallel_for(0, L.T * L.Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(L.G * L.D), acc(L.G * L.D), scores;
+    std::vector<int64_t> rows;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / L.Hkv, h = task % L.Hkv, b = seq_of[t];
+      rows.clear();
+      append_prefix_rows(tables + b * L.max_blocks, prefix[b], h, L, rows);
+      append_new_rows(tables + b * L.max_blocks, prefix[b], cu[b + 1] - cu[b], t - cu[b],
+                      mask ? mask + t * L.mask_words : nullptr, h, L, rows);
+      const int64_t count = rows.size();
+      scores.resize(L.G * count);
+      const T* qt = qp + (t * L.Hq + h * L.G) * L.D;  // the group's q heads are adjacent
+      for (int64_t e = 0; e < L.G * L.D; ++e) qf[e] = static_cast<float>(qt[e]) * L.scale;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      attend_scalar(qf.data(), kc, vc, rows, L, scores.data(), acc.data());
+      for (int64_t g = 0; g < L.G; ++g)
+        store_row(acc.data() + g * L.D, scores.data() + g * count, count, L.D, op + (t * L.Hq + h * L.G + g) * L.D);
+    }
+  });
+}
+
+#if defined(__x86_64__)
+struct GroupTask {
+  int64_t b, h, r0, r1;  // sequence, kv head, query rows [r0, r1) of that sequence (row = token * G + head)
+};
+
+// Rows of one (sequence, kv head) are split into a few tasks only when there are too few of those pairs to
+// keep every thread busy (batch 1: 3 kv heads on 2 threads); each split re-widens the shared keys.
+std::vector<GroupTask> group_tasks(const int32_t* cu, int64_t B, const Layout& L) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = std::max<int64_t>(1, (2 * threads + B * L.Hkv - 1) / (B * L.Hkv));
+  std::vector<GroupTask> tasks;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t rows = (cu[b + 1] - cu[b]) * L.G, parts = std::min(splits, rows);
+    for (int64_t h = 0; h < L.Hkv; ++h)
+      for (int64_t p = 0; p < parts; ++p) tasks.push_back({b, h, rows * p / parts, rows * (p + 1) / parts});
+  }
+  return tasks;
+}
+
+template <typename T>
+void run_grouped(const T* qp, const T* kc, const T* vc, const int32_t* tables, const int32_t* cu,
+                 const int32_t* prefix, const int32_t* mask, const Layout& L, int64_t B, T* op) {
+  const std::vector<GroupTask> tasks = group_tasks(cu, B, L);
+  at::parallel_for(0, tasks.size(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, scores, buf(kKeyBlock * L.D);
+    std::vector<int64_t> prefix_rows;
+    std::vector<std::vector<int64_t>> extra;
+    std::vector<RowKeys> keys;
+    for (int64_t k = begin; k < end; ++k) {
+      const GroupTask& task = tasks[k];
+      const int64_t n = cu[task.b + 1] - cu[task.b], P = prefix[task.b], R = task.r1 - task.r0;
+      const int32_t* table = tables + task.b * L.max_blocks;
+      prefix_rows.clear();
+      append_prefix_rows(table, P, task.h, L, prefix_rows);
+      const int64_t i0 = task.r0 / L.G, i1 = (task.r1 - 1) / L.G + 1;  // the task's new tokens
+      extra.resize(i1 - i0);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t t = cu[task.b] + i;
+        extra[i - i0].clear();
+        append_new_rows(table, P, n, i, mask ? mask + t * L.mask_words : nullptr, task.h, L, extra[i - i0]);
+      }
+      qf.resize(R * L.D);
+      keys.resize(R);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t i = (task.r0 + r) / L.G, g = (task.r0 + r) % L.G;
+        const T* qt = qp + ((cu[task.b] + i) * L.Hq + task.h * L.G + g) * L.D;
+        for (int64_t d = 0; d < L.D; ++d) qf[r * L.D + d] = static_cast<float>(qt[d]) * L.scale;
+        const auto& e = extra[i - i0];
+        keys[r] = {P + static_cast<int64_t>(e.size()), e.data(), static_cast<int64_t>(e.size())};
+      }
+      const int64_t stride = P + n;
+      scores.resize(R * stride);
+      acc.assign(R * L.D, 0.f);
+      if (L.D == 64) attend_group_avx2<T, 8>(qf.data(), R, kc, vc, prefix_rows, keys, stride, scores.data(),
+                                             acc.data(), buf.data());
+      else attend_group_avx2<T, 16>(qf.data(), R, kc, vc, prefix_rows, keys, stride, scores.data(), acc.data(),
+                                    buf.data());
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t i = (task.r0 + r) / L.G, g = (task.r0 + r) % L.G;
+        store_row(acc.data() + r * L.D, scores.data() + r * stride, keys[r].count, L.D,
+                  op + ((cu[task.b] + i) * L.Hq + task.h * L.G + g) * L.D);
+      }
+    }
+  });
 }
 #endif
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* tables,
          const std::vector<int64_t>& seq_of, const int32_t* cu, const int32_t* prefix, const int32_t* mask,
-         const Layout& L, at::Tensor& out) {
+         const Layout& L, int64_t B, at::Tensor& out) {
   const T* qp = q.data_ptr<T>();
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const bool avx2 = has_avx2() && (L.D == 64 || L.D == 128);  // the head sizes of the supported models
-  at::parallel_for(0, L.T * L.Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(L.G * L.D), acc(L.G * L.D), scores;
-    std::vector<int64_t> rows;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / L.Hkv, h = task % L.Hkv, b = seq_of[t];
-      visible_rows(tables + b * L.max_blocks, prefix[b], cu[b + 1] - cu[b], t - cu[b],
-                   mask ? mask + t * L.mask_words : nullptr, h, L, rows);
-      const int64_t count = rows.size();
-      scores.resize(L.G * count);
-      const T* qt = qp + (t * L.Hq + h * L.G) * L.D;  // the group's q heads are adjacent
-      for (int64_t e = 0; e < L.G * L.D; ++e) qf[e] = static_cast<float>(qt[e]) * L.scale;
-      std::fill(acc.begin(), acc.end(), 0.f);
 #if defined(__x86_64__)
-      if (avx2 && L.D == 64) attend_avx2<T, 8>(qf.data(), kc, vc, rows, L, scores.data(), acc.data());
-      else if (avx2) attend_avx2<T, 16>(qf.data(), kc, vc, rows, L, scores.data(), acc.data());
-      else attend_scalar(qf.data(), kc, vc, rows, L, scores.data(), acc.data());
-#else
-      attend_scalar(qf.data(), kc, vc, rows, L, scores.data(), acc.data());
+  if (has_avx2() && (L.D == 64 || L.D == 128)) {  // the head sizes of the supported models
+    run_grouped(qp, kc, vc, tables, cu, prefix, mask, L, B, op);
+    return;
+  }
 #endif
-      T* ot = op + (t * L.Hq + h * L.G) * L.D;
-      for (int64_t g = 0; g < L.G; ++g) {
-        float sum = 0.f;
-        for (int64_t j = 0; j < count; ++j) sum += scores[g * count + j];
-        const float inv = count ? 1.f / sum : 0.f;  // a token that sees nothing gets zeros
-        for (int64_t d = 0; d < L.D; ++d) ot[g * L.D + d] = static_cast<T>(acc[g * L.D + d] * inv);
-      }
-    }
-  });
+  run_scalar(qp, kc, vc, tables, seq_of, cu, prefix, mask, L, op);
 }
 
 #define CHECK_ARG(cond, ...) TORCH_CHECK_VALUE(cond, "paged_attention: ", __VA_ARGS__)
@@ -237,9 +392,9 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache
   at::Tensor out = at::empty_like(q);
   const int32_t* mask = tm.defined() ? tm.data_ptr<int32_t>() : nullptr;
   switch (q.scalar_type()) {  // the three dtypes check_args admits
-    case at::kFloat: run<float>(q, k_cache, v_cache, tables, seq_of, cu, prefix, mask, L, out); break;
-    case at::kBFloat16: run<c10::BFloat16>(q, k_cache, v_cache, tables, seq_of, cu, prefix, mask, L, out); break;
-    default: run<c10::Half>(q, k_cache, v_cache, tables, seq_of, cu, prefix, mask, L, out);
+    case at::kFloat: run<float>(q, k_cache, v_cache, tables, seq_of, cu, prefix, mask, L, B, out); break;
+    case at::kBFloat16: run<c10::BFloat16>(q, k_cache, v_cache, tables, seq_of, cu, prefix, mask, L, B, out); break;
+    default: run<c10::Half>(q, k_cache, v_cache, tables, seq_of, cu, prefix, mask, L, B, out);
   }
   return out;
 }

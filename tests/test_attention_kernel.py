@@ -234,3 +234,22 @@ def test_cache_ops_reject_bad_shapes():
         attention.write_kv(torch.zeros(3, 2, 8), torch.zeros(3, 2, 8), kc, kc.clone(), torch.arange(4))
     with pytest.raises(ValueError, match="dst_slots"):
         attention.move_kv(kc, kc.clone(), torch.arange(3), torch.arange(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}-d{h[2]}")
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "causal-as-tree-mask"])
+def test_cpp_kernel_chain_rows_equal_decode_bitwise(heads, tree, dtype):
+    """Verifying a chain of n tokens must give each token, bit for bit, what decoding it alone gives (the
+    lossless bf16 invariant), whatever the rows that share its task: every decode below runs alone."""
+    if not attention._CPU_KERNEL:
+        pytest.skip("eagle_kernels._C not built")
+    prefix, n = 45, 7
+    q, k_cache, v_cache, tables, cu, prefix_lens, _ = make_batch([prefix], [n], *heads, dtype, False, seed=3)
+    mask = ancestor_mask_bits(list(range(-1, n - 1))) if tree else None  # the chain as an explicit tree
+    chain = attention.ops().paged_attention(q, k_cache, v_cache, tables, cu, prefix_lens, mask)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    for i in range(n):
+        alone = attention.ops().paged_attention(q[i:i + 1], k_cache, v_cache, tables, one,
+                                                torch.tensor([prefix + i], dtype=torch.int32))
+        assert torch.equal(alone, chain[i:i + 1]), f"token {i}"
