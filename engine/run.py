@@ -40,9 +40,9 @@ METHOD_FLAGS = [
     ("--draft-len", dict(type=int, default=None, help="sps: draft chain length k")),
     ("--head", dict(default=None, help="eagle/eagle3 head checkpoint directory")),
     ("--tree", dict(default=None, help="eagle: 'dynamic' (EAGLE-2) or 'static' (EAGLE-1 tree)")),
-    ("--depth", dict(type=int, default=None, help="dynamic tree depth D (default 3)")),
-    ("--topk", dict(type=int, default=None, help="dynamic tree top-k K (default 2)")),
-    ("--tree-tokens", dict(type=int, default=None, help="dynamic tree: total verified tokens M (default 6)")),
+    ("--depth", dict(type=int, default=None, help="dynamic tree depth D (default 2 on CPU, 6 on GPU)")),
+    ("--topk", dict(type=int, default=None, help="dynamic tree top-k K (default 2 on CPU, 10 on GPU)")),
+    ("--tree-tokens", dict(type=int, default=None, help="dynamic tree: total verified tokens M (default 4 on CPU, 60 on GPU)")),
 ]
 
 

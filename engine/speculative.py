@@ -231,10 +231,12 @@ def make_eagle(llm, kind: str):
     head = eagle_head(args.get("head"), kind, llm.model)
     shape = args.get("tree", "dynamic")
     if shape == "dynamic":
-        # CPU defaults: verifying is compute-bound on a CPU (a 4-row GEMV costs ~2x a 1-row one), so a
-        # small tree wins unless the head is very good; depth 3, top-2, 6 verified tokens measured best for
-        # the shipped head (benchmarks/RESULTS.md, bf16, 2 threads).
-        tree = DynamicTree(args.get("depth", 3), args.get("topk", 2), args.get("tree_tokens", 6))
+        # Verifying is compute-bound on a CPU (4 rows cost ~1.1x one, 6 ~1.35x, 16 ~3x), so a small tree
+        # wins there: depth 2, top-2, 4 verified tokens measured best for the shipped head
+        # (benchmarks/RESULTS.md, bf16, 2 threads). GPUs verify dozens of tokens for the price of one:
+        # EAGLE-2's defaults (depth 6, top-10, 60 tokens).
+        d, k, m = (6, 10, 60) if llm.runner.device.type == "cuda" else (2, 2, 4)
+        tree = DynamicTree(args.get("depth", d), args.get("topk", k), args.get("tree_tokens", m))
     elif shape == "static":
         check_args(f"{kind} --tree static", args, {"head", "tree"})
         tree = StaticTree()
