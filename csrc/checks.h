@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+
 namespace eagle {
 
 inline void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
@@ -40,6 +42,22 @@ inline void check_probs(const at::Tensor& parents, const at::Tensor& probs, cons
                     " must be [B, N, V] with V >= 1, got shape ", probs.sizes());
   check_tensor(probs, name, at::kFloat, {parents.size(0), parents.size(1), probs.size(2)});
   check_device(parents, probs, name);
+}
+
+// The arguments of tree_accept_sample (CPU and CUDA): the tree, target_probs [B, N, V], uniforms fp32
+// [B, N + 1] and optional draft_probs of the same shape as target_probs.
+inline void check_sample_args(const at::Tensor& parents, const at::Tensor& tokens, const at::Tensor& sizes,
+                              const at::Tensor& probs, const at::Tensor& uniforms,
+                              const std::optional<at::Tensor>& draft) {
+  check_accept_args(parents, tokens, sizes);
+  check_probs(parents, probs, "target_probs");
+  check_tensor(uniforms, "uniforms", at::kFloat, {parents.size(0), parents.size(1) + 1});
+  check_device(parents, uniforms, "uniforms");
+  if (draft) {
+    check_probs(parents, *draft, "draft_probs");
+    TORCH_CHECK_VALUE(draft->size(2) == probs.size(2), "draft_probs has vocabulary ", draft->size(2),
+                      " but target_probs has ", probs.size(2));
+  }
 }
 
 // Host-side structural checks (CPU ops only: a device check would need a synchronisation).

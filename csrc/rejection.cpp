@@ -216,16 +216,8 @@ AcceptResult tree_accept_sample_cpu(const at::Tensor& parents_in, const at::Tens
                                     const at::Tensor& sizes_in, const at::Tensor& probs_in,
                                     const at::Tensor& uniforms_in,
                                     const std::optional<at::Tensor>& draft_in) {
-  check_accept_args(parents_in, tokens_in, sizes_in);
-  check_probs(parents_in, probs_in, "target_probs");
+  check_sample_args(parents_in, tokens_in, sizes_in, probs_in, uniforms_in, draft_in);
   const int64_t B = parents_in.size(0), N = parents_in.size(1), V = probs_in.size(2);
-  check_tensor(uniforms_in, "uniforms", at::kFloat, {B, N + 1});
-  check_device(parents_in, uniforms_in, "uniforms");
-  if (draft_in) {
-    check_probs(parents_in, *draft_in, "draft_probs");
-    TORCH_CHECK_VALUE(draft_in->size(2) == V, "draft_probs has vocabulary ", draft_in->size(2),
-                      " but target_probs has ", V);
-  }
   const at::Tensor parents = parents_in.contiguous(), tokens = tokens_in.contiguous();
   const at::Tensor sizes = sizes_in.contiguous(), probs = probs_in.contiguous();
   const at::Tensor uniforms = uniforms_in.contiguous();
