@@ -113,6 +113,10 @@ class LLM:
         except BaseException:
             self.scheduler.abort_all()
             raise
+        finally:
+            # The scheduler retires sequences after the decoder's last call: free their draft-cache blocks
+            # now rather than at the next run's first call.
+            getattr(self.decoder, "release_retired", lambda: None)()
         stats.extra.update(getattr(self.decoder, "stats", lambda: {})())
         return seqs, stats
 

@@ -91,8 +91,7 @@ def test_greedy_is_lossless(llm, prompt_ids, vanilla, name):
     assert_same(out, vanilla)
     assert stats["rounds"] > 0 and stats["tau"] >= 1 and stats["draft_s"] > 0 and stats["verify_s"] > 0
     assert llm.runner.blocks.num_free == llm.runner.blocks.num_blocks
-    decoder.release_retired()  # the scheduler retires sequences after the decoder's last call
-    assert decoder.cache.blocks.num_free == decoder.cache.blocks.num_blocks
+    assert decoder.cache.blocks.num_free == decoder.cache.blocks.num_blocks and not decoder.state
 
 
 @pytest.mark.slow
@@ -119,6 +118,20 @@ def test_default_method_uses_a_shipped_eagle3_head(llm, prompt_ids, vanilla):
     out, stats = run(llm, prompt_ids[:5], 64)
     assert out == [v[:64] for v in vanilla[:5]]
     assert stats["tau"] > 1.1  # an untrained head stays at ~1.0
+    assert decoder.cache.blocks.num_free == decoder.cache.blocks.num_blocks and not decoder.state
+
+
+def test_aborted_run_returns_every_block(llm, prompt_ids):
+    """A callback that raises mid-run (a client gone) aborts it; both caches get all their blocks back."""
+    decoder = use(llm, "eagle3", head="random", depth=2, topk=2, tree_tokens=3)
+
+    def hang_up(seq, tokens):
+        if len(seq.output_ids) > 4:
+            raise ConnectionError("client gone")
+    with pytest.raises(ConnectionError):
+        llm.generate(prompt_ids[:3], SamplingParams(max_new_tokens=32), on_tokens=hang_up)
+    assert llm.runner.blocks.num_free == llm.runner.blocks.num_blocks
+    assert decoder.cache.blocks.num_free == decoder.cache.blocks.num_blocks and not decoder.state
 
 
 def test_batched_equals_each_request_alone(llm, prompt_ids, vanilla):
