@@ -117,6 +117,9 @@ def make_head(args, target) -> DraftHead:
         if args.head == "eagle3" and head.lm_head.out_features != args.draft_vocab:
             raise ValueError(f"--init head has a {head.lm_head.out_features}-token draft vocabulary, "
                              f"--draft-vocab says {args.draft_vocab}")
+        if args.rebuild_vocab:
+            counts = token_counts(args.data, target.cfg.vocab_size)
+            remap_draft_vocab(head, target, *build_draft_vocab(counts, args.draft_vocab, target.cfg.vocab_size))
         return head
     if args.head == "eagle":
         return new_head("eagle", target).float().train()
@@ -126,6 +129,28 @@ def make_head(args, target) -> DraftHead:
     head.d2t.copy_(d2t)
     head.t2d.copy_(t2d)
     return head
+
+
+@torch.no_grad()
+def remap_draft_vocab(head: DraftHead, target, d2t: torch.Tensor, t2d: torch.Tensor) -> float:
+    """Moves a trained EAGLE-3 head to a new draft vocabulary of the same size (one built from more data).
+    Tokens in both keep their trained LM-head rows. A new token's row is the target's LM-head row for it
+    mapped into the draft's output space by A [H, H], the least-squares fit of the kept draft rows from
+    the target's rows of the same tokens (W_draft ~ W_target @ A). -> the fit's R^2 over the old rows."""
+    Vd = head.lm_head.out_features
+    old_ids, new_ids = torch.arange(Vd) + head.d2t, torch.arange(Vd) + d2t
+    w_draft, w_target = head.lm_head.weight, target.lm_head.weight.float()  # [Vd, H], [V, H]
+    A = torch.linalg.lstsq(w_target[old_ids], w_draft).solution           # [H, H]
+    fitted = w_target[old_ids] @ A
+    r2 = 1 - (fitted - w_draft).square().sum() / (w_draft - w_draft.mean(0)).square().sum()
+    row_of_old = torch.full((t2d.numel(),), -1, dtype=torch.long)
+    row_of_old[old_ids] = torch.arange(Vd)
+    rows = row_of_old[new_ids]                                              # [Vd]: old row or -1
+    w_new = torch.where((rows >= 0)[:, None], w_draft[rows.clamp(min=0)], w_target[new_ids] @ A)
+    head.lm_head.weight.copy_(w_new)
+    head.d2t.copy_(d2t)
+    head.t2d.copy_(t2d)
+    return r2.item()
 
 
 def lr_at(step: int, args) -> float:
@@ -170,6 +195,9 @@ def export_head(head: DraftHead, target, path: Path, dtype: str):
 def train(args, target=None) -> dict:
     """Runs (or resumes) training to `args.steps`; returns the last logged record."""
     from tqdm import tqdm
+    if args.rebuild_vocab and not (args.init and args.head == "eagle3"):
+        raise ValueError("--rebuild-vocab moves a trained EAGLE-3 head (--init) to a new draft vocabulary; "
+                         "a fresh head builds its vocabulary from --data anyway")
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     device = torch.device(args.device)
     if world > 1:
@@ -247,6 +275,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=16384)
     p.add_argument("--init", help="start from this exported head (e.g. to continue on new data) instead of "
                                   "a fresh one; a fresh optimizer and schedule")
+    p.add_argument("--rebuild-vocab", action="store_true",
+                   help="with --init: rebuild the draft vocabulary from --data's token counts, keeping the "
+                        "trained LM-head rows of tokens that stay (see remap_draft_vocab)")
     p.add_argument("--ttt-steps", type=int, default=7, help="unrolled training-time-test steps (EAGLE-3)")
     p.add_argument("--steps", type=int, default=1000, help="total optimizer steps")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per packed row")

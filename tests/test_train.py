@@ -6,7 +6,7 @@ import torch
 
 from engine import data
 from engine.heads import load_head, new_head
-from engine.train import PackedData, parser, train
+from engine.train import PackedData, parser, remap_draft_vocab, train
 from engine.train_ttt import n_alpha, prefix_mask, shift, ttt_unroll
 from test_data import tiny_target
 
@@ -194,3 +194,41 @@ def test_init_continues_from_an_exported_head(tmp_path):
     with pytest.raises(ValueError, match="draft vocabulary"):
         train(args_for(root, tmp_path / "c", "--steps", "1", "--draft-vocab", "32",
                        "--init", str(tmp_path / "a" / "head")), target=model)
+
+
+def test_remap_draft_vocab_keeps_rows_and_fits_new_ones():
+    model = tiny_target()  # H = 32: 48 kept-or-dropped rows determine the map A
+    head = new_head("eagle3", model, draft_vocab_size=48).float()
+    g = torch.Generator().manual_seed(0)
+    old_ids = torch.randperm(64, generator=g)[:48].sort().values
+    new_ids = torch.cat([old_ids[8:], torch.tensor([t for t in range(64) if t not in old_ids])[:8]]).sort().values
+    A = torch.randn(32, 32, generator=g)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(model.lm_head.weight[old_ids] @ A)  # a draft head exactly linear in the target's
+        head.d2t.copy_(old_ids - torch.arange(48))
+    old_rows = dict(zip(old_ids.tolist(), head.lm_head.weight.clone()))
+    t2d = torch.zeros(64, dtype=torch.bool)
+    t2d[new_ids] = True
+    r2 = remap_draft_vocab(head, model, new_ids - torch.arange(48), t2d)
+    assert r2 > 0.999
+    assert torch.equal(head.to_target(torch.arange(48)), new_ids) and torch.equal(head.t2d, t2d)
+    for row, tok in enumerate(new_ids.tolist()):
+        want = old_rows[tok] if tok in old_rows else model.lm_head.weight[tok] @ A
+        assert torch.allclose(head.lm_head.weight[row], want, atol=1e-3), tok
+        if tok in old_rows:
+            assert torch.equal(head.lm_head.weight[row], old_rows[tok])
+
+
+def test_rebuild_vocab_flag(tmp_path):
+    model = peaked_target()
+    root = write_tiny_data(tmp_path, model)
+    with pytest.raises(ValueError, match="rebuild-vocab"):
+        train(args_for(root, tmp_path / "b", "--steps", "1", "--rebuild-vocab"), target=model)
+    train(args_for(root, tmp_path / "c", "--steps", "40", "--save-every", "100", "--lr", "1e-3"), target=model)
+    counts = data.token_counts(root, 64)
+    train(args_for(root, tmp_path / "d", "--steps", "1", "--save-every", "100", "--lr", "1e-12", "--rebuild-vocab",
+                   "--init", str(tmp_path / "c" / "head")), target=model)
+    c, d = load_head(tmp_path / "c" / "head", model), load_head(tmp_path / "d" / "head", model)
+    assert torch.equal(d.t2d, data.build_draft_vocab(counts, 48, 64)[1])
+    assert torch.equal(c.t2d, d.t2d)  # same data, same vocabulary: every row is kept as it was
+    assert torch.equal(c.lm_head.weight, d.lm_head.weight)
