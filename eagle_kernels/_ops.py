@@ -1,6 +1,8 @@
 """Loads the compiled extension `eagle_kernels._C`, which registers the `torch.ops.eagle` operators,
 and holds the argument checks shared by the public launchers."""
+import contextlib
 import importlib
+import os
 
 import torch
 
@@ -9,6 +11,29 @@ try:
     _LOAD_ERROR = None
 except ImportError as err:  # importing the package must work before the extension is built
     _LOAD_ERROR = err
+
+
+# The GPU code path on CPU tensors: the implementations CUDA tensors take (Triton) run on CPU tensors too,
+# through the Triton interpreter (TRITON_INTERPRET=1). Tests and `EAGLE_TRITON_ON_CPU=1` use it to run the
+# engine's GPU path without a GPU.
+_TRITON_ON_CPU = os.environ.get("EAGLE_TRITON_ON_CPU", "0") == "1"
+
+
+@contextlib.contextmanager
+def triton_on_cpu(enabled: bool = True):
+    """Within the block CPU tensors take the CUDA implementations (needs TRITON_INTERPRET=1 set before
+    Triton is imported)."""
+    global _TRITON_ON_CPU
+    old, _TRITON_ON_CPU = _TRITON_ON_CPU, enabled
+    try:
+        yield
+    finally:
+        _TRITON_ON_CPU = old
+
+
+def gpu_path(t: torch.Tensor) -> bool:
+    """Whether `t` takes the GPU implementations: CUDA tensors, and CPU tensors inside triton_on_cpu()."""
+    return t.is_cuda or (_TRITON_ON_CPU and t.device.type == "cpu")
 
 
 def ops():
