@@ -1,0 +1,59 @@
+"""The device choice (`--device {auto,cpu,cuda}`) and what each device defaults to.
+
+The device is chosen once, by the caller, and passed down explicitly; nothing re-derives it from a weight.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class DeviceDefaults:
+    dtype: str
+    kv_cache_gb: float | None     # None: a share of the device memory left after the weights
+    tree: tuple[int, int, int]    # EAGLE-2 dynamic tree: depth, top-k, verified tokens
+    cuda_graphs: bool
+
+
+# A CPU verifies more than ~5 tokens at compute-bound cost, so small trees win there (depth 2, top-2,
+# 4 tokens measured best for the shipped head, benchmarks/RESULTS.md); a GPU verifies dozens of tokens for
+# about the price of one: EAGLE-2's defaults (depth 6, top-10, 60 tokens).
+DEFAULTS = {
+    "cpu": DeviceDefaults(dtype="bfloat16", kv_cache_gb=0.5, tree=(2, 2, 4), cuda_graphs=False),
+    "cuda": DeviceDefaults(dtype="bfloat16", kv_cache_gb=None, tree=(6, 10, 60), cuda_graphs=True),
+}
+CUDA_KV_SHARE = 0.8  # of the free memory after the weights (vLLM's gpu_memory_utilization is 0.9 of all)
+
+
+class DeviceError(ValueError):
+    pass
+
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """"auto" -> cuda when a GPU is visible, else cpu; "cuda" without one -> DeviceError (one line)."""
+    name = str(name)
+    if name not in DEVICE_CHOICES and not name.startswith("cuda:"):
+        raise DeviceError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {name!r}")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        why = "this torch has no CUDA support" if torch.version.cuda is None else "no GPU is visible"
+        raise DeviceError(f"--device {name}: no CUDA device available ({why})")
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise DeviceError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def defaults(device: torch.device) -> DeviceDefaults:
+    return DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+
+
+def add_device_arg(parser, default: str = "auto"):
+    """The shared `--device` flag of the commands and benchmarks."""
+    parser.add_argument("--device", default=default, choices=DEVICE_CHOICES,
+                        help="auto = cuda when a GPU is visible, else cpu")
