@@ -2,7 +2,8 @@
 
 A sequence's token at logical position p lives in slot `table[p // block_size] * block_size + p % block_size`
 of the cache tensors (owned by the model runner). Speculative rounds append the whole draft tree, then
-`truncate` back to the accepted length: blocks past it return to the pool at once.
+`truncate` back to the accepted length: blocks past it return to the pool at once. The target and a draft's
+own cache (same block geometry, other tensors) share a sequence's table.
 """
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ class BlockManager:
         table.extend(self._free.pop() for _ in range(need))
         self.lengths[seq_id] = start + n
         return self.slots(seq_id, start, start + n)
+
+    def reserve(self, seq_id: int, length: int):
+        """Make the table cover `length` positions (a no-op if it already does)."""
+        if length > self.length(seq_id):
+            self.allocate(seq_id, length - self.length(seq_id))
 
     def slots(self, seq_id: int, start: int, end: int) -> list[int]:
         table, bs = self.tables[seq_id], self.block_size

@@ -1,8 +1,8 @@
 """The engine's front door: load a model, take prompts, run the generate loop with a decoding method.
 
-A decoding method ("decoder") turns the running batch into new tokens per sequence: `prefill(seqs)` and
-`step(seqs)`, each returning `list[list[int]]`. Vanilla yields one token per step; speculative methods
-yield 1 + accepted drafts. The scheduler owns admission, stop conditions and freeing.
+A decoding method ("decoder", engine/decoding.py) turns the running batch into new tokens per sequence:
+vanilla yields one token per step, speculative methods 1 + accepted drafts. The scheduler owns admission,
+the KV blocks, stop conditions and freeing.
 """
 from __future__ import annotations
 
@@ -12,33 +12,14 @@ from typing import Callable
 
 import torch
 
-from . import speculative
+from .device import CUDA_KV_SHARE, defaults, resolve_device
 from .loader import DEFAULT_MODEL, load_model, load_tokenizer
+from .methods import METHODS
 from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import SamplingParams, Scheduler, Sequence
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class VanillaDecoder:
-    """One target forward per token; the reference every speculative method must match."""
-    lookahead = 0
-
-    def __init__(self, runner: ModelRunner, sampler: Sampler):
-        self.runner, self.sampler = runner, sampler
-
-    def _sample_last(self, seqs, feature, cu) -> list[list[int]]:
-        logits = self.runner.model.logits(feature[self.runner.last_positions(cu)])
-        return [[t] for t in self.sampler(logits, [s.params for s in seqs]).tolist()]
-
-    def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
-        feature, _, cu = self.runner.forward([s.seq_id for s in seqs], [s.prompt_ids for s in seqs])
-        return self._sample_last(seqs, feature, cu)
-
-    def step(self, seqs: list[Sequence]) -> list[list[int]]:
-        feature, _, cu = self.runner.forward([s.seq_id for s in seqs], [[s.output_ids[-1]] for s in seqs])
-        return self._sample_last(seqs, feature, cu)
 
 
 @dataclass
@@ -58,37 +39,48 @@ class RunStats:
                 "steps": self.steps, **self.extra}
 
 
-DecoderFactory = Callable[["LLM"], object]
-METHODS: dict[str, DecoderFactory] = {
-    "vanilla": lambda llm: VanillaDecoder(llm.runner, llm.sampler),
-    "sps": lambda llm: speculative.make_sps(llm),
-    "eagle": lambda llm: speculative.make_eagle(llm, "eagle"),
-    "eagle3": lambda llm: speculative.make_eagle(llm, "eagle3"),
-    "auto": lambda llm: speculative.make_auto(llm) or METHODS["vanilla"](llm),  # EAGLE-3 if a head ships
-}
-
-
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu",
-                 kv_cache_gb: float = 0.5, block_size: int = 16, max_batch: int = 16, seed: int = 0,
-                 method: str = "vanilla", method_args: dict | None = None, threads: int | None = None):
+    """device: "auto" (cuda when a GPU is visible), "cpu" or "cuda"; dtype, kv_cache_gb and cuda_graphs
+    default to the device's (engine/device.py)."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str | None = None, device: str = "auto",
+                 kv_cache_gb: float | None = None, block_size: int = 16, max_batch: int = 16, seed: int = 0,
+                 method: str = "vanilla", method_args: dict | None = None, threads: int | None = None,
+                 cuda_graphs: bool | None = None, timing: bool = False):
+        self.device = resolve_device(device)
+        preset = defaults(self.device)
+        dtype = dtype or preset.dtype
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         if threads:
             torch.set_num_threads(threads)
-        self.model, self.cfg, self.source = load_model(model, DTYPES[dtype], device)
+        self.model, self.cfg, self.source = load_model(model, DTYPES[dtype], str(self.device))
         self.tokenizer = load_tokenizer(self.source)
-        self.runner = ModelRunner(self.model, self.cfg, kv_cache_gb, block_size)
-        self.sampler = Sampler(seed, device)
+        gb = kv_cache_gb if kv_cache_gb is not None else preset.kv_cache_gb
+        if gb is None:  # a share of what the weights left free
+            gb = CUDA_KV_SHARE * torch.cuda.mem_get_info(self.device)[0] / 2**30
+        num_blocks = ModelRunner.blocks_for_budget(self.cfg, DTYPES[dtype], block_size, gb)
+        self.runner = ModelRunner(self.model, self.cfg, DTYPES[dtype], self.device, num_blocks, block_size,
+                                  self.cfg.max_position,
+                                  preset.cuda_graphs if cuda_graphs is None else cuda_graphs)
+        self.sampler = Sampler(seed, self.device, self.runner)
+        eos = set(self.cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.scheduler = Scheduler(num_blocks, block_size, max_batch, self.cfg.max_position, tuple(eos))
+        self.timing = timing
+        self.set_method(method, method_args)
+
+    def set_method(self, method: str, method_args: dict | None = None):
+        """Switch the decoding method (the scheduler must be idle)."""
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         self.method_args = method_args or {}
         self.decoder = METHODS[method](self)
-        eos = set(self.cfg.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.scheduler = Scheduler(self.runner.blocks, max_batch, self.cfg.max_position, tuple(eos),
-                                   lookahead=self.decoder.lookahead)
+        self.scheduler.lookahead = self.decoder.lookahead
+        return self.decoder
 
     def chat_ids(self, prompt: str, raw: bool = False) -> list[int]:
         """A user message through the model's chat template (or the raw text with `raw`)."""
@@ -111,31 +103,30 @@ class LLM:
             while self.scheduler.has_work:
                 self._round(stats, on_tokens)
         except BaseException:
+            self.decoder.release([s.seq_id for s in self.scheduler.running])
             self.scheduler.abort_all()
             raise
-        finally:
-            # The scheduler retires sequences after the decoder's last call: free their draft-cache blocks
-            # now rather than at the next run's first call.
-            getattr(self.decoder, "release_retired", lambda: None)()
-        stats.extra.update(getattr(self.decoder, "stats", lambda: {})())
+        stats.extra.update(self.decoder.stats())
         return seqs, stats
 
     def _round(self, stats: RunStats, on_tokens):
         admitted = self.scheduler.admit()
         t0 = time.perf_counter()
         if admitted:
+            self.scheduler.prepare(admitted, prefill=True)
             new = self.decoder.prefill(admitted)
             batch = admitted
             stats.prefill_s += time.perf_counter() - t0
             stats.prompt_tokens += sum(len(s.prompt_ids) for s in admitted)
         else:
             batch = [s for s in self.scheduler.running if not s.finished]
+            self.scheduler.prepare(batch, prefill=False)
             new = self.decoder.step(batch)
             stats.decode_s += time.perf_counter() - t0
             stats.steps += 1
         for seq, toks in zip(batch, new):
-            kept = self.scheduler.append_tokens(seq, toks)
+            kept = self.scheduler.commit(seq, toks)
             stats.new_tokens += len(kept)
             if on_tokens and kept:
                 on_tokens(seq, kept)
-        self.scheduler.retire_finished()
+        self.decoder.release([s.seq_id for s in self.scheduler.retire_finished()])

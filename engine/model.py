@@ -23,6 +23,7 @@ class AttnMeta:
     cu_seqlens_q: torch.Tensor   # int32 [B + 1]: new tokens of sequence b are q[cu[b]:cu[b+1]]
     prefix_lens: torch.Tensor    # int32 [B]: tokens already cached before the new ones
     tree_mask: torch.Tensor | None = None  # int32 [T, W] ancestor bitmask over the new tokens; None = causal
+    max_new: int | None = None   # host: the most new tokens of one sequence (kernel choice without a sync)
 
 
 class Linear(nn.Linear):

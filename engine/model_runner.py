@@ -1,68 +1,195 @@
-"""Owns the model and the paged KV-cache tensors; turns per-sequence token lists into one packed forward.
+"""Owns the paged KV-cache tensors and runs a model (the target or a draft) over one step's tokens.
 
-Metadata (slots, block tables, prefix lengths) is built once per step and shared by every layer.
+A `StepPlan` (plain Python, from the scheduler's block tables) says where each sequence's new tokens go.
+The runner turns it into attention metadata with one host-to-device copy and runs the model. Every cache
+(the target's, a draft's) has the same block geometry and shares the scheduler's tables. One block past
+the pool is scratch: table padding points at it, so padded batch rows and draft positions past a table
+write there and nowhere else.
+
+Fixed-shape steps (a decode step, a draft step, a verify step) run through `StepGraph`s: static input
+buffers per batch bucket, filled by one copy, then a CUDA graph replay (CUDA) or the same code run eagerly
+(CPU, or graphs off). Padded rows are invisible: callers read only the first B rows of the outputs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
-from .block_manager import BlockManager
 from .model import AttnMeta
 
 
+@dataclass
+class StepPlan:
+    """Where a step's new tokens go, per sequence (host values)."""
+    tables: list[list[int]]   # block ids
+    starts: list[int]         # cache position of the first new token
+    counts: list[int]         # new tokens
+
+    def padded(self, batch: int) -> "StepPlan":
+        """The plan with `batch - B` empty-table rows (their tokens write to the scratch block)."""
+        extra = batch - len(self.tables)
+        n = self.counts[-1]
+        return StepPlan(self.tables + [[]] * extra, self.starts + [0] * extra, self.counts + [n] * extra)
+
+
+def bucket(batch: int) -> int:
+    """CUDA-graph batch buckets: 1, 2, 4, 8, 16, 32, ..."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
 class ModelRunner:
-    def __init__(self, model, cfg, kv_cache_gb: float = 0.5, block_size: int = 16, num_blocks: int | None = None):
-        """num_blocks, when given, overrides kv_cache_gb (a draft's cache mirrors the target's block count)."""
-        self.model, self.cfg = model, cfg
-        weight = model.embed_tokens.weight
-        self.device, self.dtype = weight.device, weight.dtype
-        per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * weight.element_size()
-        num_blocks = num_blocks or int(kv_cache_gb * 2**30 // per_block)
+    def __init__(self, model, cfg, dtype: torch.dtype, device: torch.device, num_blocks: int, block_size: int,
+                 max_model_len: int, cuda_graphs: bool = False):
+        self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, device
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.scratch = num_blocks                              # block id of the scratch block
+        self.width = -(-max_model_len // block_size) + 1       # block-table columns (fixed: no recompiles)
+        self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self.bucketed = self.cuda_graphs  # pad batches to buckets (tests turn it on for the CPU too)
+        self.kv = self.new_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        self.layers = kv_layers(self.kv)
+        self._staging = Staging(device)
+        self._graphs: dict[tuple, StepGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+
+    @staticmethod
+    def blocks_for_budget(cfg, dtype: torch.dtype, block_size: int, gb: float) -> int:
+        per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+        num_blocks = int(gb * 2**30 // per_block)
         if num_blocks < 1:
-            raise ValueError(f"--kv-cache-gb {kv_cache_gb} holds no block of {per_block} bytes")
-        # kv: [layers, 2, blocks, block_size, Hkv, D]. Zero-filled: slots past a sequence's end may be
-        # read inside a partially filled block, and masked garbage (NaN * 0) must not leak into outputs.
-        self.kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                              dtype=self.dtype, device=self.device)
-        self.kv_layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
-        self.blocks = BlockManager(num_blocks, block_size)
+            raise ValueError(f"--kv-cache-gb {gb} holds no block of {per_block} bytes")
+        return num_blocks
 
-    def _tensor(self, data, dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, device=self.device)
+    def new_cache(self, num_layers: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+        """kv: [layers, 2, blocks + 1 (scratch), block_size, Hkv, D]. Zero-filled: slots past a sequence's
+        end may be read inside a partially filled block, and masked garbage (NaN * 0) must not leak."""
+        return torch.zeros(num_layers, 2, self.num_blocks + 1, self.block_size, num_kv_heads, head_dim,
+                           dtype=self.dtype, device=self.device)
 
-    def build_meta(self, seq_ids: list[int], counts: list[int], tree_mask=None) -> tuple[AttnMeta, list[int], list[int]]:
-        """Allocate cache room for `counts[i]` new tokens of each sequence; -> metadata, prefix lengths,
-        cu_seqlens (as a list, so callers never read it back from the device)."""
-        prefix = [self.blocks.length(s) for s in seq_ids]
-        slots = [slot for s, n in zip(seq_ids, counts) for slot in self.blocks.allocate(s, n)]
-        tables = [self.blocks.block_table(s) for s in seq_ids]
-        width = max(len(t) for t in tables)
-        cu = [0]
-        for n in counts:
+    # --- metadata ------------------------------------------------------------------------------------------
+
+    def _plan_ints(self, plan: StepPlan, ids: list[int] | None) -> list[int]:
+        """[slots T | cache positions T | cu B + 1 | prefix B | tables B * width | ids T]."""
+        bs, width, scratch = self.block_size, self.width, self.scratch
+        slots, pos, cu = [], [], [0]
+        for table, start, n in zip(plan.tables, plan.starts, plan.counts):
+            for p in range(start, start + n):
+                blk = p // bs
+                slots.append((table[blk] if blk < len(table) else scratch) * bs + p % bs)
+            pos.extend(range(start, start + n))
             cu.append(cu[-1] + n)
-        meta = AttnMeta(
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
-            cu_seqlens_q=self._tensor(cu, torch.int32),
-            prefix_lens=self._tensor(prefix, torch.int32),
-            tree_mask=tree_mask)
-        return meta, prefix, cu
+        tables = [b for t in plan.tables for b in (t[:width] + [scratch] * (width - len(t)))]
+        return slots + pos + cu + list(plan.starts) + tables + (ids or [])
 
-    @torch.inference_mode()
-    def forward(self, seq_ids: list[int], tokens: list[list[int]], positions: list[list[int]] | None = None,
-                tree_mask: torch.Tensor | None = None, capture: tuple[int, ...] = ()):
-        """Append `tokens[i]` to sequence `seq_ids[i]` in the cache and run the target over them.
+    def _views(self, buf: torch.Tensor, plan: StepPlan, tree_mask=None, with_ids=False):
+        """Metadata views into one int32 device buffer laid out by _plan_ints."""
+        B, T = len(plan.counts), sum(plan.counts)
+        o = [0, T, 2 * T, 2 * T + B + 1, 2 * T + 2 * B + 1, 2 * T + 2 * B + 1 + B * self.width]
+        meta = AttnMeta(slot_mapping=buf[o[0]:o[1]], block_tables=buf[o[4]:o[5]].view(B, self.width),
+                        cu_seqlens_q=buf[o[2]:o[3]], prefix_lens=buf[o[3]:o[4]], tree_mask=tree_mask,
+                        max_new=max(plan.counts))
+        ids = buf[o[5]:o[5] + T] if with_ids else None
+        return meta, buf[o[1]:o[2]], ids
 
-        positions default to the cache positions (prefix + 0..n-1); trees pass prefix + depth.
-        -> (feature [T, H], captured layer inputs, cu_seqlens list)."""
-        counts = [len(t) for t in tokens]
-        meta, prefix, cu = self.build_meta(seq_ids, counts, tree_mask)
-        if positions is None:
-            positions = [list(range(p, p + n)) for p, n in zip(prefix, counts)]
-        ids = self._tensor([t for toks in tokens for t in toks], torch.int64)
-        pos = self._tensor([p for ps in positions for p in ps], torch.int64)
-        feature, captured = self.model(ids, pos, self.kv_layers, meta, capture)
-        return feature, captured, cu
+    def meta(self, plan: StepPlan, ids: list[int] | None = None, tree_mask=None):
+        """-> (AttnMeta, cache positions int32 [T], ids int32 [T] or None), all from one copy."""
+        buf = self._staging.to_device(self._plan_ints(plan, ids))
+        return self._views(buf, plan, tree_mask, ids is not None)
 
-    def last_positions(self, cu: list[int]) -> list[int]:
-        return [c - 1 for c in cu[1:]]
+    def to_device(self, ints: list[int]) -> torch.Tensor:
+        """Host ints -> int64 [n] on the device, through the staging copy (a pageable copy would sync)."""
+        return self._staging.to_device(ints).long()
+
+    def index(self, ints: list[int]) -> torch.Tensor:
+        """Host ints -> an int32 index tensor on the device (index_select takes int32)."""
+        return self._staging.to_device(ints)
+
+    def batch_rows(self, batch: int) -> int:
+        return bucket(batch) if self.bucketed else batch
+
+    # --- running ---------------------------------------------------------------------------------------------
+
+    def graph(self, key: tuple, plan: StepPlan, fn: Callable, inputs: dict[str, tuple]) -> "StepGraph":
+        """The StepGraph of `key` (built on first use): static metadata for plan's shape and static
+        `inputs` (name -> (shape, dtype)); `fn(graph)` computes the outputs from graph.meta / graph.inputs."""
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = StepGraph(self, plan, fn, inputs)
+        return g
+
+
+def kv_layers(kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
+
+
+class Staging:
+    """Host ints -> an int32 device tensor in one copy. On CUDA through pinned buffers used in a ring, each
+    reused only once its last copy has completed (an event), so no copy waits for the device."""
+    RING = 8
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self._bufs, self._events, self._next = [None] * self.RING, [None] * self.RING, 0
+
+    def to_device(self, ints: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        host = torch.tensor(ints, dtype=torch.int32)
+        if not self.cuda:
+            return host if out is None else out.copy_(host)
+        i, self._next = self._next, (self._next + 1) % self.RING
+        if self._events[i] is not None:
+            self._events[i].synchronize()
+        if self._bufs[i] is None or self._bufs[i].numel() < len(ints):
+            self._bufs[i] = torch.empty(max(len(ints), 4096), dtype=torch.int32, pin_memory=True)
+        pinned = self._bufs[i][:len(ints)]
+        pinned.copy_(host)
+        out = torch.empty(len(ints), dtype=torch.int32, device=self.device) if out is None else out
+        out.copy_(pinned, non_blocking=True)
+        self._events[i] = torch.cuda.Event()
+        self._events[i].record()
+        return out
+
+
+class StepGraph:
+    """One fixed-shape step: a static int32 metadata buffer, static named inputs and the outputs of `fn`.
+    `run` fills the buffers (one host copy for the metadata, device copies for the inputs) and replays the
+    captured CUDA graph, or calls `fn` eagerly where graphs are off; outputs are the same tensors each time."""
+
+    def __init__(self, runner: ModelRunner, plan: StepPlan, fn: Callable, inputs: dict[str, tuple]):
+        self.runner, self.fn = runner, fn
+        n = len(runner._plan_ints(plan, None))
+        self.buf = torch.zeros(n, dtype=torch.int32, device=runner.device)
+        self.meta, self.positions, _ = runner._views(self.buf, plan)
+        self.inputs = {k: torch.zeros(shape, dtype=dtype, device=runner.device) for k, (shape, dtype) in
+                       inputs.items()}
+        if "tree_mask" in self.inputs:  # rows no caller fills (padded sequences) see themselves
+            mask = self.inputs["tree_mask"]
+            n = mask.shape[0] // len(plan.counts)
+            own = torch.arange(mask.shape[0], device=mask.device) % n
+            mask.scatter_(1, (own // 32)[:, None], (1 << (own % 32)).int()[:, None])
+            self.meta.tree_mask = mask
+        self.cuda_graph, self.out = None, None
+
+    def run(self, plan: StepPlan, **inputs):
+        self.runner._staging.to_device(self.runner._plan_ints(plan, None), out=self.buf)
+        for k, v in inputs.items():  # the first rows: padded ones keep what they hold
+            self.inputs[k][:v.shape[0]].copy_(v, non_blocking=True)
+        if not self.runner.cuda_graphs:
+            self.out = self.fn(self)
+        elif self.cuda_graph is None:
+            self._capture()
+        else:
+            self.cuda_graph.replay()
+        return self.out
+
+    def _capture(self):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.fn(self)                                   # warm-up: Triton compiles, allocator settles
+        torch.cuda.current_stream().wait_stream(stream)
+        self.cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.cuda_graph, pool=self.runner._pool):
+            self.out = self.fn(self)
+        self.cuda_graph.replay()

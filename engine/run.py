@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from .device import add_device_arg
 from .loader import DEFAULT_MODEL, REGISTRY, ModelNotFoundError
 from .llm import DTYPES, LLM, METHODS
 from .scheduler import SamplingParams
@@ -15,8 +16,11 @@ def parse_args(argv=None):
     p.add_argument("prompt", nargs="*", help="user message(s); each is put through the chat template")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"{', '.join(REGISTRY)}, a HF checkpoint directory or a .gguf file")
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
+    add_device_arg(p)
+    p.add_argument("--dtype", default=None, choices=list(DTYPES),
                    help="default bfloat16; float32 is the parity reference, ~2.5x slower on a CPU")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode, draft and verify steps eagerly on a GPU")
     p.add_argument("--method", default=None, help="decoding method (default: the best available)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -26,7 +30,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts-file", help="JSONL: one prompt per line, a string or {\"prompt\": ...}")
     p.add_argument("--json", action="store_true", help="no streaming; one JSON object per prompt")
     p.add_argument("--raw", action="store_true", help="skip the chat template")
-    p.add_argument("--kv-cache-gb", type=float, default=0.5, help="memory budget of the paged KV cache")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="memory budget of the paged KV cache (default 0.5 on a CPU, 80%% of free memory on a GPU)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -90,7 +95,7 @@ def main(argv=None) -> int:
         prompts = read_prompts(args)
         method_args = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
                        for flag, _ in METHOD_FLAGS}
-        llm = LLM(args.model, args.dtype, kv_cache_gb=args.kv_cache_gb, block_size=args.block_size,
+        llm = LLM(args.model, args.dtype, device=args.device, cuda_graphs=args.cuda_graphs, kv_cache_gb=args.kv_cache_gb, block_size=args.block_size,
                   max_batch=args.max_batch, seed=args.seed, method=args.method or default_method(),
                   method_args={k: v for k, v in method_args.items() if v is not None}, threads=args.threads)
         ids = [llm.chat_ids(p, args.raw) for p in prompts]
@@ -115,7 +120,7 @@ def main(argv=None) -> int:
 def default_method() -> str:
     """The "auto" method (EAGLE-3 with a shipped head that fits the target, else vanilla) once a trained
     head ships under engine/heads/<name>/; vanilla until then."""
-    from .speculative import HEADS_DIR
+    from .spec_eagle import HEADS_DIR
     return "auto" if any(HEADS_DIR.glob("*/model.safetensors")) else "vanilla"
 
 

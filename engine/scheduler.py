@@ -1,7 +1,12 @@
-"""Requests and the scheduler, in plain Python (no torch): admission, batching, stop conditions, freeing.
+"""Requests and the scheduler, in plain Python (no torch): admission, batching, KV blocks, stop conditions.
 
-Admission reserves the worst case (prompt + max_new_tokens + the speculative lookahead) so a running
-sequence can never hit an exhausted pool mid-generation; blocks are still allocated lazily.
+The scheduler owns the BlockManager. Admission reserves the worst case (prompt + max_new_tokens + the
+speculative lookahead) so a running sequence can never hit an exhausted pool mid-generation; blocks are
+allocated lazily: before a step, room for what the step writes (`prepare`); after it, the verdict is
+applied (`commit`): tokens appended, stop conditions checked, the cache cut back to what was accepted.
+
+Cache invariant between steps: a sequence's cache holds every token but the last (`cached_len`); the last
+token is the next step's input (vanilla) or the root of the next draft tree (speculative methods).
 """
 from __future__ import annotations
 
@@ -56,10 +61,16 @@ class Sequence:
         return self.finish_reason is not None
 
 
+def cached_len(seq: Sequence) -> int:
+    """Tokens of `seq` in the KV cache between steps (all but the last)."""
+    return len(seq.prompt_ids) + len(seq.output_ids) - 1
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch: int, max_model_len: int,
-                 eos_ids: tuple[int, ...], lookahead: int = 0):
-        self.blocks, self.max_batch, self.max_model_len = blocks, max_batch, max_model_len
+    def __init__(self, num_blocks: int, block_size: int, max_batch: int, max_model_len: int,
+                 eos_ids: tuple[int, ...], lookahead: int = 1):
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.max_batch, self.max_model_len = max_batch, max_model_len
         self.eos_ids, self.lookahead = set(eos_ids), lookahead
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -93,6 +104,21 @@ class Scheduler:
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def prepare(self, seqs: list[Sequence], prefill: bool):
+        """Room in each table for what the step writes: the prompt (prefill) or the cached tokens, plus the
+        decoder's lookahead (positions a step may write past them: 1 for vanilla)."""
+        for seq in seqs:
+            n = len(seq.prompt_ids) if prefill else cached_len(seq)
+            self.blocks.reserve(seq.seq_id, n + self.lookahead)
+
+    def commit(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """Apply a step's verdict: append its tokens (up to a stop) and cut the cache back to the accepted
+        ones. -> the tokens kept."""
+        kept = self.append_tokens(seq, tokens)
+        if not seq.finished:
+            self.blocks.truncate(seq.seq_id, cached_len(seq))
+        return kept
 
     def append_tokens(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """Append generated tokens, stopping at EOS / max_new_tokens / context; returns those kept."""

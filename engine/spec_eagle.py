@@ -1,17 +1,16 @@
 """EAGLE decoding (EAGLE-1 / EAGLE-2 / EAGLE-3): a one-layer head drafts a tree from the target's features,
 the target verifies the whole tree in one forward.
 
-A round, for a batch of sequences:
-1. draft: from each root's head output, expand the tree depth by depth (trees.py policies). Each draft
-   forward re-feeds all frontier nodes drafted so far with their ancestor mask: paged attention lets new
-   tokens see every cached token, so drafted nodes cannot be cached without becoming visible to their
-   cousins. Nothing drafted stays in the head's cache.
-2. verify (speculative.verify): root + tree in one target forward, lossless acceptance, accepted KV kept.
-3. catch up: the head consumes (target feature at t, token t + 1) for the accepted path and the bonus
-   token, which leaves the next root's head output.
-
-Head cache invariant between rounds: it holds pair t = (feature_t, token_{t+1}) at position t for every
-t below the target cache's length, so both caches have the same length.
+The head reads pairs: pair t = (hidden_t, token_{t+1}) sits at position t. Between rounds the head's cache
+holds the pairs t < L - 1 (L = the target's cached tokens) and `pending[seq]` keeps hidden_{L-1}, the
+target feature whose pair with the root token (token L) opens the next round. A round:
+1. draft: forward d (d = 1 .. depth) feeds the drafted history - the root pair and every frontier expanded
+   so far, with its ancestor mask - and expands the newest frontier (trees.py policies). Drafted nodes are
+   re-fed, not cached: paged attention lets new tokens see every cached token, so a cached draft would be
+   visible to its cousins.
+2. verify (decoding.SpeculativeDecoder.verify): root + tree in one target forward, lossless acceptance.
+3. catch up: the head caches the root pair and the accepted path's pairs; the last accepted node's
+   feature becomes the next pending hidden (its pair with the bonus token opens the next round).
 """
 from __future__ import annotations
 
@@ -19,13 +18,16 @@ import json
 
 import torch
 
+from pathlib import Path
+
+from .decoding import SpeculativeDecoder, Verdict, depth_caps
 from .heads import DraftHead, detect_kind, load_head, new_head
 from .model import Llama
-from .model_runner import ModelRunner
-from .sampler import Sampler
-from .scheduler import Sequence
-from .speculative import HEADS_DIR, SpeculativeDecoder, depth_caps, verify
-from .trees import Frontier, Pool, Tree, pack_bits
+from .model_runner import kv_layers
+from .scheduler import Sequence, cached_len
+from .trees import Tree
+
+HEADS_DIR = Path(__file__).parent / "heads"  # shipped trained heads: engine/heads/<name>/
 
 
 def shipped_head(kind: str, target_cfg) -> str | None:
@@ -57,100 +59,93 @@ def eagle_head(spec: str | None, kind: str, target: Llama) -> DraftHead:
     return load_head(path, target, kind)
 
 
-class History:
-    """The frontier nodes drafted so far in a round, depth-major: what each draft forward re-feeds."""
-
-    def __init__(self):
-        self.tokens, self.hidden, self.depths = [], [], []
-        self.anc: torch.Tensor | None = None  # bool [B, n, n]: ancestor-or-self among the nodes
-        self.last = 0                          # column of the newest frontier's first node
-
-    def append(self, front: Frontier, hidden: torch.Tensor, depth: int):
-        # front: [B, F]; hidden: [B, F, H], each node's input (its parent's head output)
-        B, F = front.tokens.shape
-        own = torch.eye(F, dtype=torch.bool, device=hidden.device).expand(B, F, F)
-        if self.anc is None:
-            self.anc = own
-        else:
-            n = self.anc.shape[1]
-            parent_rows = self.anc.gather(1, (self.last + front.rows)[..., None].expand(B, F, n))
-            self.anc = torch.cat([torch.nn.functional.pad(self.anc, (0, F)),
-                                  torch.cat([parent_rows, own], 2)], 1)
-            self.last = n
-        self.tokens.append(front.tokens)
-        self.hidden.append(hidden)
-        self.depths += [depth] * F
-
-
 class EagleDecoder(SpeculativeDecoder):
-    """state[seq]: the head's output at the root's pair [H], where the next tree grows from."""
-
-    def __init__(self, runner: ModelRunner, sampler: Sampler, head: DraftHead, tree):
-        super().__init__(runner, sampler, head, head.cfg)
+    def __init__(self, runner, sampler, blocks, head: DraftHead, tree, timing: bool = False):
+        super().__init__(runner, sampler, blocks, timing)
         self.head, self.tree = head, tree
-        # Verification appends the whole tree to the target cache; drafting the frontier history to the head's.
-        self.lookahead = max(tree.verify_tokens, tree.max_draft_tokens)
+        self.capture = head.capture
+        self.kv = runner.new_cache(1, head.cfg.num_kv_heads, head.cfg.head_dim)
+        self.head_layers = kv_layers(self.kv)
+        self.pending: dict[int, torch.Tensor] = {}  # seq_id -> hidden [H] of the root's pair
+        fed = sum(tree.frontier_sizes())
+        # Verification writes the tree at L ..; drafting the history at L - 1 ..
+        self.lookahead = max(tree.verify_tokens, fed - 1)
 
-    @torch.inference_mode()
+    def release(self, seq_ids):
+        for sid in seq_ids:
+            self.pending.pop(sid, None)
+
     def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
-        first, feature, captured, _ = self.prefill_target(seqs, self.head.capture)
-        hidden = self.head.target_feature(feature, captured)
-        self._catch_up(seqs, hidden, [s.prompt_ids[1:] + [t] for s, t in zip(seqs, first)])
+        first, feature, captured, cu = self.prefill_target(seqs, self.capture)
+        hidden = self.head.target_feature(feature, captured)                               # [T, H]
+        rows, tokens, counts = [], [], []
+        for s, c in zip(seqs, cu):
+            n = len(s.prompt_ids) - 1
+            rows += range(c, c + n)
+            tokens += s.prompt_ids[1:]
+            counts.append(n)
+            self.pending[s.seq_id] = hidden[c + n]
+        self._feed(seqs, [0] * len(seqs), counts, tokens, hidden, rows)
         return [[t] for t in first]
 
-    @torch.inference_mode()
-    def step(self, seqs: list[Sequence]) -> list[list[int]]:
-        self.release_retired()
-        with self.timer("draft_s"):
-            tree = self._draft(seqs)
-        with self.timer("verify_s"):
-            v = verify(self.runner, self.sampler, seqs, tree, self.head.capture)
-        with self.timer("draft_s"):
-            hidden = self.head.target_feature(v.feature[v.rows], [c[v.rows] for c in v.captured])
-            self._catch_up(seqs, hidden, v.new_tokens)
-        self._stats.record(v.paths)
-        return v.new_tokens
+    def _feed(self, seqs, starts, counts, tokens, source, rows):
+        """Cache the pairs (source[rows[i]], tokens[i]), counts[b] of them from position starts[b]."""
+        if not tokens:
+            return
+        meta, pos, ids = self.runner.meta(self.plan(seqs, starts, counts), ids=tokens)
+        hidden = source.index_select(0, self.runner.index(rows))
+        self.head(ids, hidden, pos, self.head_layers[0], meta)
 
-    def _catch_up(self, seqs, hidden, tokens: list[list[int]]):
-        """Feed pairs (hidden row, token) per sequence (hidden: [T, H] packed in `tokens` order)."""
-        runner = self.cache.runner
-        meta, prefix, cu = runner.build_meta([s.seq_id for s in seqs], [len(t) for t in tokens])
-        ids = torch.tensor([t for ts in tokens for t in ts], device=runner.device)
-        pos = torch.tensor([p + i for p, ts in zip(prefix, tokens) for i in range(len(ts))], device=runner.device)
-        out = self.head(ids, hidden, pos, runner.kv_layers[0], meta)
-        for s, last in zip(seqs, runner.last_positions(cu)):
-            self.state[s.seq_id] = out[last]
-
-    def _draft(self, seqs) -> Tree:
-        head, policy = self.head, self.tree
-        ids = [s.seq_id for s in seqs]
-        lengths = [self.cache.blocks.length(i) for i in ids]
+    def draft(self, seqs: list[Sequence]):
+        head, policy, runner = self.head, self.tree, self.runner
         B = len(seqs)
-        root = torch.stack([self.state[i] for i in ids])                                  # [B, H]
-        pool, hist = Pool(), History()
-        front = policy.expand(pool, head.logits(root)[:, None], torch.full((B, 1), -1, device=root.device),
-                              torch.zeros(B, 1, device=root.device), 1, head.d2t)
-        out = root[:, None]                                                               # [B, 1, H]
-        caps = depth_caps(seqs, self.runner.cfg.max_position)
-        for depth in range(1, min(policy.depth, max(caps))):  # nothing deeper can be verified
-            if front.ids.shape[1] == 0:
-                break
-            hist.append(front, out.gather(1, front.rows[..., None].expand(-1, -1, out.shape[-1])), depth)
-            out = self._forward_history(ids, lengths, hist)[:, hist.last:]               # [B, F, H]
-            front = policy.expand(pool, head.logits(out), front.ids, front.scores, depth + 1, head.d2t)
-        self.cache.truncate(ids, lengths)
-        roots = torch.tensor([s.all_ids[-1] for s in seqs], device=root.device)
-        return pool.select(roots, policy.verify_tokens - 1, torch.tensor(caps, device=root.device))
+        caps = depth_caps(seqs, self.model.cfg.max_position)
+        tree = Tree.roots(runner.to_device([s.all_ids[-1] for s in seqs]))
+        pending = torch.stack([self.pending[s.seq_id] for s in seqs])                       # [B, H]
+        front = torch.zeros(B, 1, dtype=torch.int64, device=pending.device)                 # node ids
+        history, out = front, None
+        plan_starts = [cached_len(s) - 1 for s in seqs]
+        for depth in range(1, min(policy.depth, max(caps)) + 1):
+            fed = tree.subtree(history)                                                     # [B, n]
+            parent = fed.parents.long()
+            hidden = pending[:, None].expand(-1, parent.shape[1], -1) if out is None else torch.where(
+                (parent < 0)[..., None], pending[:, None],
+                out.gather(1, parent.clamp(min=0)[..., None].expand(-1, -1, out.shape[-1])))
+            out = self._forward(seqs, plan_starts, fed, hidden)                              # [B, n, H]
+            F = front.shape[1]
+            tree, front = policy.expand(tree, head.logits(out[:, -F:]), front, depth, head.d2t)
+            history = torch.cat([history, front], 1)
+        return tree.select(policy.verify_tokens - 1, runner.to_device(caps)), None
 
-    def _forward_history(self, ids, lengths, hist: History) -> torch.Tensor:
-        """Re-feed every drafted frontier node after the cached pairs -> head outputs [B, n, H]."""
-        runner = self.cache.runner
-        self.cache.truncate(ids, lengths)
-        tokens, hidden = torch.cat(hist.tokens, 1), torch.cat(hist.hidden, 1)             # [B, n], [B, n, H]
-        B, n = tokens.shape
-        meta, _, _ = runner.build_meta(ids, [n] * B, pack_bits(hist.anc).view(B * n, -1))
-        # The depth-d node's pair sits right after the cached ones: position length + d - 1.
-        depth = torch.tensor(hist.depths, device=tokens.device)
-        pos = torch.tensor(lengths, device=tokens.device)[:, None] + depth[None] - 1
-        out = self.head(tokens.flatten(), hidden.flatten(0, 1), pos.flatten(), runner.kv_layers[0], meta)
-        return out.view(B, n, -1)
+    def _forward(self, seqs, starts, fed: Tree, hidden) -> torch.Tensor:
+        """The head over the drafted history (fed.tokens [B, n], hidden [B, n, H]) -> outputs [B, n, H]."""
+        B, n = fed.tokens.shape
+        Bp = self.runner.batch_rows(B)
+        plan = self.plan(seqs, starts, [n] * B).padded(Bp)
+        H = hidden.shape[-1]
+        g = self.runner.graph(("draft", Bp, n), plan, self._draft_fn, {
+            "ids": ((Bp, n), torch.int64), "hidden": ((Bp, n, H), hidden.dtype),
+            "depths": ((Bp, n), torch.int32), "tree_mask": ((Bp * n, (n + 31) // 32), torch.int32)})
+        out = g.run(plan, ids=fed.tokens, hidden=hidden, depths=fed.depths, tree_mask=fed.mask())
+        return out.view(Bp, n, -1)[:B]
+
+    def _draft_fn(self, g):
+        Bp, n = g.inputs["ids"].shape
+        # The pair of a depth-d node sits d positions after the root's (at L - 1).
+        rope = g.meta.prefix_lens[:, None] + g.inputs["depths"]
+        return self.head(g.inputs["ids"].flatten(), g.inputs["hidden"].flatten(0, 1), rope.flatten(),
+                         self.head_layers[0], g.meta)
+
+    def catch_up(self, seqs: list[Sequence], v: Verdict):
+        B, N, H = v.feature.shape
+        hidden = self.head.target_feature(v.feature.flatten(0, 1), [c.flatten(0, 1) for c in v.captured])
+        pending = torch.stack([self.pending[s.seq_id] for s in seqs])
+        source = torch.cat([pending, hidden])                              # rows: B pending, then B * N nodes
+        rows, tokens, counts = [], [], []
+        for b, (s, path, new) in enumerate(zip(seqs, v.paths, v.new_tokens)):
+            rows += [b] + [B + b * N + i for i in path[:-1]]
+            tokens += [s.all_ids[-1]] + new[:-1]
+            counts.append(len(path))
+        self._feed(seqs, [cached_len(s) - 1 for s in seqs], counts, tokens, source, rows)
+        for b, (s, path) in enumerate(zip(seqs, v.paths)):
+            self.pending[s.seq_id] = hidden[b * N + path[-1]]

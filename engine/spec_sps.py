@@ -6,7 +6,8 @@ Drafts: another checkpoint (`--draft NAME_OR_PATH`) or the target's early exit (
 its first N layers + final norm + LM head, weights shared, KV in the draft's own cache).
 
 Draft cache invariant between rounds: it holds every token of the sequence, root included (one more than
-the target's cache), and `state[seq]` is the draft's logits for the token after the root.
+the target's cache), and `next_logits[seq]` is the draft's logits for the token after the root. Every
+sequence drafts k tokens (fixed shapes); the tree keeps those a sequence may still use.
 """
 from __future__ import annotations
 
@@ -18,10 +19,9 @@ from torch import nn
 from .config import LlamaConfig
 from .loader import load_model
 from .model import Llama
-from .model_runner import ModelRunner
-from .sampler import Sampler
-from .scheduler import Sequence
-from .speculative import SpeculativeDecoder, depth_caps, verify
+from .decoding import SpeculativeDecoder, Verdict, depth_caps
+from .model_runner import kv_layers
+from .scheduler import Sequence, cached_len
 from .trees import Tree
 
 
@@ -51,83 +51,92 @@ def load_draft(spec: str, target: Llama, dtype, device) -> tuple[Llama, LlamaCon
 
 
 class SpSDecoder(SpeculativeDecoder):
-    """state[seq]: the draft's logits [V] for the token after the root."""
+    causal = True
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler, draft: Llama, draft_cfg: LlamaConfig, k: int):
+    def __init__(self, runner, sampler, blocks, draft: Llama, draft_cfg: LlamaConfig, k: int, timing=False):
         if k < 1:
             raise ValueError(f"--draft-len must be >= 1, got {k}")
-        super().__init__(runner, sampler, draft, draft_cfg)
-        self.draft, self.k = draft, k
-        self.lookahead = k + 1
+        super().__init__(runner, sampler, blocks, timing)
+        self.draft_model, self.k = draft, k
+        self.kv = runner.new_cache(draft_cfg.num_layers, draft_cfg.num_kv_heads, draft_cfg.head_dim)
+        self.draft_layers = kv_layers(self.kv)
+        self.next_logits: dict[int, torch.Tensor] = {}
+        # Verification writes L .. L + k; catch-up feeds up to two tokens after the accepted ones.
+        self.lookahead = k + 2
 
-    @torch.inference_mode()
+    def release(self, seq_ids):
+        for sid in seq_ids:
+            self.next_logits.pop(sid, None)
+
     def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
-        first, _, _, _ = self.prefill_target(seqs)
-        self._feed(seqs, [s.prompt_ids + [t] for s, t in zip(seqs, first)])
+        first = self.prefill_target(seqs)[0]
+        self._feed(seqs, [0] * len(seqs), [s.prompt_ids + [t] for s, t in zip(seqs, first)])
         return [[t] for t in first]
 
-    @torch.inference_mode()
-    def step(self, seqs: list[Sequence]) -> list[list[int]]:
-        self.release_retired()
-        with self.timer("draft_s"):
-            chains, probs = self._draft_chains(seqs)
-        with self.timer("verify_s"):
-            verdict = verify(self.runner, self.sampler, seqs, Tree.chains(chains, self.runner.device),
-                             draft_probs=probs)
-        with self.timer("draft_s"):
-            self._catch_up(seqs, verdict.new_tokens)
-        self._stats.record(verdict.paths)
-        return verdict.new_tokens
-
-    def _draft_chains(self, seqs):
-        """-> chains (root + drafts per sequence) and draft_probs fp32 [B, N, V] (row i = the q that drew
-        node i) when any sequence samples, else None."""
-        B = len(seqs)
-        caps = [max(0, min(self.k, c)) for c in depth_caps(seqs, self.runner.cfg.max_position)]
-        chains = [[s.all_ids[-1]] for s in seqs]
-        logits = torch.stack([self.state[s.seq_id] for s in seqs])                            # [B, V]
-        sampling = any(not s.params.greedy for s in seqs)
-        probs = torch.zeros(B, max(caps) + 1, logits.shape[-1]) if sampling else None
-        for i in range(max(caps)):
-            active = [b for b in range(B) if caps[b] > i]
+    def draft(self, seqs: list[Sequence]):
+        """-> chains (root + k drafts) and draft_probs fp32 [B, k + 1, V] (row i = the q that drew node i)
+        when a sequence samples, else None."""
+        B, k = len(seqs), self.k
+        caps = [min(k, c) for c in depth_caps(seqs, self.model.cfg.max_position)]
+        params = [s.params for s in seqs]
+        sampled = [b for b, p in enumerate(params) if not p.greedy]
+        logits = torch.stack([self.next_logits[s.seq_id] for s in seqs])                     # [B, V]
+        tokens = [self.runner.to_device([s.all_ids[-1] for s in seqs])]
+        probs = [torch.zeros_like(logits)] if sampled else None
+        starts = [cached_len(s) + 1 for s in seqs]
+        for i in range(k):
             if i > 0:
-                logits[active] = self._forward([seqs[b] for b in active], [[chains[b][-1]] for b in active])
-            tokens, q = self._propose(logits[active], [seqs[b].params for b in active])
-            for b, t in zip(active, tokens.tolist()):
-                chains[b].append(t)
-            if q is not None:
-                probs[active, i + 1] = q
-        return chains, probs
+                logits = self._step(seqs, [p + i - 1 for p in starts], tokens[-1])
+            tok, q = self._propose(logits, params, sampled)
+            tokens.append(tok)
+            if sampled:
+                probs.append(q)
+        chains = Tree.chains(torch.stack(tokens, 1), self.runner.index([1 + c for c in caps]))
+        return chains, torch.stack(probs, 1) if sampled else None
 
-    def _propose(self, logits, params):
-        """Greedy rows take the argmax; sampled rows draw from q, their sampling distribution. -> tokens [A]
-        and q fp32 [A, V] (zero on greedy rows, which the greedy verifier never reads; None if all greedy)."""
+    def _propose(self, logits, params, sampled):
+        """Greedy rows take the argmax; sampled rows draw from q, their sampling distribution. -> tokens [B]
+        and q fp32 [B, V] (zero on greedy rows, which the greedy verifier never reads; None if all greedy)."""
         tokens = logits.argmax(-1)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled:
             return tokens, None
+        rows = self.runner.index(sampled)
         q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-        q[sampled] = self.sampler.probs(logits[sampled], [params[i] for i in sampled])
-        tokens[sampled] = self.sampler.draw(q[sampled])
-        return tokens, q
+        q_rows = self.sampler.probs(logits.index_select(0, rows), [params[b] for b in sampled])
+        q.index_copy_(0, rows.long(), q_rows)
+        return tokens.index_copy(0, rows.long(), self.sampler.draw(q_rows)), q
 
-    def _catch_up(self, seqs, new_tokens):
-        """Keep the draft cache's accepted tokens, feed the ones it has not seen (the bonus token, and the
-        last draft when all were accepted)."""
-        feeds = []
-        for s, new in zip(seqs, new_tokens):
-            n = len(s.all_ids)
-            keep = n + min(len(new) - 1, self.cache.blocks.length(s.seq_id) - n)
-            self.cache.blocks.truncate(s.seq_id, keep)
-            feeds.append((s.all_ids + new)[keep:])
-        self._feed(seqs, feeds)
+    def _step(self, seqs, starts, tokens) -> torch.Tensor:
+        """One draft token per sequence at cache position starts[b] -> the draft's next logits [B, V]."""
+        B = len(seqs)
+        Bp = self.runner.batch_rows(B)
+        plan = self.plan(seqs, starts, [1] * B).padded(Bp)
+        g = self.runner.graph(("sps", Bp), plan, self._step_fn, {"ids": ((Bp,), torch.int64)})
+        return g.run(plan, ids=tokens)[:B]
 
-    def _feed(self, seqs, tokens):
-        for s, q in zip(seqs, self._forward(seqs, tokens)):
-            self.state[s.seq_id] = q
+    def _step_fn(self, g):
+        rope = g.positions.clamp(max=self.model.cfg.max_position - 1)  # drafts past a cap are never verified
+        feature, _ = self.draft_model(g.inputs["ids"], rope, self.draft_layers, g.meta)
+        return self.draft_model.logits(feature)
 
-    def _forward(self, seqs, tokens) -> torch.Tensor:
-        """Append tokens to the draft cache -> draft logits after each sequence's last token [B, V]."""
-        runner = self.cache.runner
-        feature, _, cu = runner.forward([s.seq_id for s in seqs], tokens)
-        return self.draft.logits(feature[runner.last_positions(cu)])
+    def catch_up(self, seqs: list[Sequence], v: Verdict):
+        """The draft cache keeps its accepted drafts; feed what it has not seen: the bonus token, and the
+        last draft when all k were accepted."""
+        starts, feeds = [], []
+        for s, new in zip(seqs, v.new_tokens):
+            seen = min(len(new) - 1, self.k - 1)       # accepted drafts the draft cache already holds
+            starts.append(cached_len(s) + 1 + seen)
+            feeds.append(new[seen:])
+        self._feed(seqs, starts, feeds)
+
+    def _feed(self, seqs, starts, tokens: list[list[int]]):
+        """Append tokens[b] to the draft cache from position starts[b]; keep the logits after the last."""
+        counts = [len(t) for t in tokens]
+        meta, pos, ids = self.runner.meta(self.plan(seqs, starts, counts), ids=[t for ts in tokens for t in ts])
+        feature, _ = self.draft_model(ids, pos, self.draft_layers, meta)
+        ends = []
+        for n in counts:
+            ends.append((ends[-1] if ends else 0) + n)
+        logits = self.draft_model.logits(feature.index_select(0, self.runner.index([e - 1 for e in ends])))
+        for s, row in zip(seqs, logits):
+            self.next_logits[s.seq_id] = row

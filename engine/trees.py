@@ -1,10 +1,11 @@
-"""Draft-tree construction for a batch of requests: candidate pools, the EAGLE-2 dynamic policy and static
-top-k index trees (EAGLE-1), and the batched `Tree` that verification consumes (DESIGN.md's representation).
+"""Draft trees: the one batched `Tree` (DESIGN.md's representation) that drafting grows and verification
+reads, and the policies that grow it: the EAGLE-2 dynamic tree and static top-k index trees (EAGLE-1).
 
-Drafting grows one pool of candidates per request, depth by depth. A policy turns the draft logits of the
-current frontier into new candidates (all added to the pool) and picks the next frontier (the candidates
-the draft expands next). Pool ids follow generation order, so a parent's id is always below its
-children's and ids are depth-major.
+Drafting starts from the roots (the last accepted tokens) and adds candidates depth by depth; node ids
+follow generation order, so a parent's id is always below its children's. A policy turns the draft logits
+of the current frontier (the nodes expanded next, as node ids) into new candidates and the next frontier.
+`select` then keeps the best candidates as the tree to verify; `subtree` re-indexes any ancestor-closed
+node list (the drafted history, the selection) as a tree of its own. Everything stays on the device.
 """
 from __future__ import annotations
 
@@ -23,75 +24,78 @@ EAGLE1_TREE = ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (
 
 @dataclass
 class Tree:
-    """A batch of draft trees in DESIGN.md's representation (node 0 = root = the last accepted token)."""
-    tokens: torch.Tensor   # int64 [B, N]
-    parents: torch.Tensor  # int32 [B, N], BFS order, -1 for the root and padding
-    depths: torch.Tensor   # int32 [B, N]
-    sizes: torch.Tensor    # int32 [B]
-    chain: bool = False    # parents[i] = i - 1: plain causal masking is the ancestor mask
+    """A batch of B trees of N nodes (node 0 = root); nodes past sizes[b] are padding (parent -1)."""
+    tokens: torch.Tensor   # int64 [B, N], target vocabulary
+    parents: torch.Tensor  # int32 [B, N]: parents[b, i] < i, -1 for the root and padding
+    depths: torch.Tensor   # int32 [B, N]: root 0
+    scores: torch.Tensor   # fp32 [B, N]: cumulative draft log-prob of the path (root 0)
+    sizes: torch.Tensor    # int32 [B]: valid nodes
 
     @classmethod
-    def chains(cls, tokens: list[list[int]], device) -> "Tree":
-        """Chains root -> d1 -> ... (SpS), one list per request (root first), padded to the longest."""
-        N = max(len(t) for t in tokens)
-        idx = torch.arange(N, dtype=torch.int32)
-        sizes = torch.tensor([len(t) for t in tokens], dtype=torch.int32)
-        valid = idx[None] < sizes[:, None]
-        return cls(torch.tensor([t + [0] * (N - len(t)) for t in tokens], device=device),
-                   torch.where(valid & (idx > 0), idx - 1, -1), torch.where(valid, idx, 0), sizes, chain=True)
+    def roots(cls, tokens: torch.Tensor) -> "Tree":
+        """tokens: int64 [B] -> B one-node trees."""
+        B, dev = tokens.shape[0], tokens.device
+        col = torch.zeros(B, 1, dtype=torch.int32, device=dev)
+        return cls(tokens[:, None], col - 1, col, col.float(), col[:, 0] + 1)
 
+    @classmethod
+    def chains(cls, tokens: torch.Tensor, sizes: torch.Tensor) -> "Tree":
+        """tokens: int64 [B, N] root -> d1 -> ... (SpS); sizes int32 [B]."""
+        B, N = tokens.shape
+        idx = torch.arange(N, dtype=torch.int32, device=tokens.device).expand(B, N)
+        valid = idx < sizes[:, None]
+        return cls(tokens, torch.where(valid, idx - 1, -1), torch.where(valid, idx, 0),
+                   torch.zeros(B, N, device=tokens.device), sizes)
 
-@dataclass
-class Frontier:
-    """The candidates the draft expands next: [B, F] each."""
-    ids: torch.Tensor      # int64 pool ids
-    tokens: torch.Tensor   # int64 target-vocabulary tokens
-    scores: torch.Tensor   # fp32 cumulative draft log-probs
-    rows: torch.Tensor     # int64 index of each node's parent in the previous frontier (0 under the root)
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
 
-
-class Pool:
-    """All candidates of a batch of trees: [B, P] tensors grown depth by depth (no host sync)."""
-
-    def __init__(self):
-        self._tokens, self._scores, self._parents, self._depths = [], [], [], []
-        self.size = 0
-
-    def add(self, tokens, scores, parents, depth: int) -> torch.Tensor:
-        """tokens, scores, parents (pool ids, -1 = root): [B, n] -> their pool ids [B, n]."""
+    def grow(self, tokens, scores, parents, depth: int) -> tuple["Tree", torch.Tensor]:
+        """Append n candidates per tree (all valid; trees must be unpadded). tokens, scores, parents (node
+        ids): [B, n] -> (the grown tree, the new nodes' ids [B, n])."""
         B, n = tokens.shape
-        self._tokens.append(tokens)
-        self._scores.append(scores)
-        self._parents.append(parents)
-        self._depths.append(torch.full((B, n), depth, dtype=torch.int32, device=tokens.device))
-        ids = torch.arange(self.size, self.size + n, device=tokens.device).expand(B, n)
-        self.size += n
-        return ids
+        N = self.num_nodes
+        ids = torch.arange(N, N + n, device=tokens.device).expand(B, n)
+        grown = Tree(torch.cat([self.tokens, tokens], 1), torch.cat([self.parents, parents.int()], 1),
+                     torch.cat([self.depths, torch.full_like(self.depths[:, :1], depth).expand(B, n)], 1),
+                     torch.cat([self.scores, scores.float()], 1), self.sizes + n)
+        return grown, ids
 
-    def select(self, roots: torch.Tensor, budget: int, max_depth: torch.Tensor) -> Tree:
-        """Keep the `budget` best candidates by cumulative score whose depth <= max_depth[b] ([B] int), plus
-        the root tokens [B]. Scores never rise along a path and ties go to the lower (older) id, so the
-        kept set is closed under ancestors; sorting it by id gives BFS order with siblings best first."""
-        tokens, scores = torch.cat(self._tokens, 1), torch.cat(self._scores, 1)            # [B, P]
-        parents, depths = torch.cat(self._parents, 1), torch.cat(self._depths, 1)
-        B, P = scores.shape
-        budget = min(budget, P)
-        allowed = depths <= max_depth[:, None]
-        best = torch.sort(torch.where(allowed, scores, -torch.inf), dim=1, descending=True, stable=True).indices
-        best = best[:, :budget]                                                              # [B, budget]
-        chosen = torch.where(allowed.gather(1, best), best, P).sort(dim=1).values           # dropped (= P) last
-        keep = chosen < P
-        safe = chosen.clamp(max=P - 1)
-        # Tree index of each kept pool id (column P collects the dropped ones), to renumber parents.
-        index = torch.zeros(B, P + 1, dtype=torch.int64, device=scores.device)
-        index.scatter_(1, chosen, torch.arange(1, budget + 1, device=scores.device).expand(B, budget))
-        pool_parent = parents.gather(1, safe)
-        par = torch.where(pool_parent < 0, 0, index.gather(1, pool_parent.clamp(min=0)))  # -1: the root's child
-        root_col = torch.full((B, 1), -1, dtype=torch.int32, device=scores.device)
-        return Tree(tokens=torch.cat([roots[:, None], torch.where(keep, tokens.gather(1, safe), 0)], 1),
-                    parents=torch.cat([root_col, torch.where(keep, par, -1).int()], 1),
-                    depths=torch.cat([torch.zeros_like(root_col), torch.where(keep, depths.gather(1, safe), 0)], 1),
-                    sizes=(1 + keep.sum(1)).int())
+    def subtree(self, ids: torch.Tensor, keep: torch.Tensor | None = None) -> "Tree":
+        """The nodes `ids` [B, n] (ids[:, 0] = 0, each node's parent listed before it) as a tree of their own;
+        `keep` bool [B, n] marks the valid ones (the rest become padding; valid ones come first)."""
+        B, n = ids.shape
+        dev = ids.device
+        index = torch.zeros(B, self.num_nodes, dtype=torch.int64, device=dev)
+        index.scatter_(1, ids, torch.arange(n, device=dev).expand(B, n))
+        par = self.parents.gather(1, ids)
+        par = torch.where(par < 0, -1, index.gather(1, par.clamp(min=0).long()))
+        keep = torch.ones_like(ids, dtype=torch.bool) if keep is None else keep
+        return Tree(torch.where(keep, self.tokens.gather(1, ids), 0),
+                    torch.where(keep, par, -1).int(),
+                    torch.where(keep, self.depths.gather(1, ids), 0),
+                    torch.where(keep, self.scores.gather(1, ids), 0.0),
+                    keep.sum(1).int())
+
+    def select(self, budget: int, max_depth: torch.Tensor) -> "Tree":
+        """The root and the `budget` best candidates by score whose depth <= max_depth[b] (int [B]). Scores
+        never rise along a path and ties go to the lower (older) id, so the kept set is closed under
+        ancestors; sorted by id it is in BFS order with siblings best first."""
+        B, P = self.tokens.shape
+        budget = min(budget, P - 1)
+        allowed = self.depths[:, 1:] <= max_depth[:, None]
+        score = torch.where(allowed, self.scores[:, 1:], -torch.inf)
+        best = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :budget] + 1
+        ok = allowed.gather(1, best - 1)
+        chosen = torch.where(ok, best, P).sort(dim=1).values                       # dropped (= P) last
+        root = torch.zeros(B, 1, dtype=torch.int64, device=chosen.device)
+        keep = torch.cat([root == 0, chosen < P], 1)
+        return self.subtree(torch.cat([root, chosen.clamp(max=P - 1)], 1), keep)
+
+    def mask(self) -> torch.Tensor:
+        """Ancestor-or-self bits int32 [B * N, W] (DESIGN.md's mask words), the tree attention mask."""
+        return eagle_kernels.build_tree(self.parents, self.sizes).mask.flatten(0, 1)
 
 
 class DynamicTree:
@@ -104,23 +108,22 @@ class DynamicTree:
                              f"{depth}, {topk}, {tree_tokens}")
         self.depth, self.topk, self.verify_tokens = depth, topk, tree_tokens
 
-    @property
-    def max_draft_tokens(self) -> int:
-        """Frontier nodes re-fed to the draft in its last forward."""
-        return (self.depth - 1) * self.topk
+    def frontier_sizes(self) -> list[int]:
+        """Nodes expanded at each depth 0 .. depth - 1 (the root, then top-k frontiers)."""
+        return [1] + [self.topk] * (self.depth - 1)
 
-    def expand(self, pool: Pool, logits, front_ids, front_scores, depth: int, d2t=None) -> Frontier:
-        """logits: [B, R, Vd] of the R frontier nodes at `depth` - 1 -> their children (depth `depth`)."""
-        B, R, _ = logits.shape
+    def expand(self, tree: Tree, logits, front: torch.Tensor, depth: int, d2t=None):
+        """logits: [B, F, Vd] of the frontier `front` (node ids [B, F]) -> (tree with their children at
+        `depth`, the next frontier's node ids [B, k])."""
+        B, F, _ = logits.shape
         k = min(self.topk, logits.shape[-1])
-        ex = eagle_kernels.topk_expand(logits, front_scores, k, d2t)
-        ids = pool.add(ex.row_tokens.flatten(1), ex.row_scores.flatten(1),
-                       front_ids.repeat_interleave(k, dim=1), depth)                     # [B, R * k]
+        ex = eagle_kernels.topk_expand(logits, tree.scores.gather(1, front), k, d2t)
+        tree, ids = tree.grow(ex.row_tokens.flatten(1), ex.row_scores.flatten(1),
+                              front.repeat_interleave(k, dim=1), depth)                 # [B, F * k]
         # Rank of each chosen candidate within its parent's row: tokens are distinct within a row.
-        row_tokens = ex.row_tokens.gather(1, ex.parents[..., None].expand(B, k, k))         # [B, k, k]
+        row_tokens = ex.row_tokens.gather(1, ex.parents[..., None].expand(B, k, k))       # [B, k, k]
         rank = (row_tokens == ex.tokens[..., None]).int().argmax(-1)
-        return Frontier(ids.gather(1, ex.parents * k + rank), ex.tokens, ex.scores, ex.parents)
-
+        return tree, ids.gather(1, ex.parents * k + rank)
 
 
 class StaticTree:
@@ -141,30 +144,20 @@ class StaticTree:
                                 for p in paths if len(p) == d + 1])
         self.verify_tokens = len(paths) + 1
 
-    @property
-    def max_draft_tokens(self) -> int:
-        return sum(sum(has for _, _, has in level) for level in self.levels)
+    def frontier_sizes(self) -> list[int]:
+        return [1] + [sum(has for _, _, has in level) for level in self.levels[:-1]]
 
-    def expand(self, pool: Pool, logits, front_ids, front_scores, depth: int, d2t=None) -> Frontier:
+    def expand(self, tree: Tree, logits, front: torch.Tensor, depth: int, d2t=None):
         level = self.levels[depth - 1]
         dev = logits.device
         rows = torch.tensor([r for r, _, _ in level], device=dev)
-        ranks = torch.tensor([k for _, k, _ in level], device=dev)
-        k = min(int(ranks.max()) + 1, logits.shape[-1])
-        top = torch.topk(torch.log_softmax(logits.float(), -1), k, dim=-1)                  # [B, R, k]
-        draft_ids = top.indices[:, rows, ranks.clamp(max=k - 1)]                             # [B, n]
+        ranks = [k for _, k, _ in level]
+        k = min(max(ranks) + 1, logits.shape[-1])
+        ranks = torch.tensor(ranks, device=dev).clamp(max=k - 1)
+        top = torch.topk(torch.log_softmax(logits.float(), -1), k, dim=-1)                  # [B, F, k]
+        draft_ids = top.indices[:, rows, ranks]                                              # [B, n]
         tokens = draft_ids if d2t is None else draft_ids + d2t[draft_ids]
-        scores = front_scores[:, rows] + top.values[:, rows, ranks.clamp(max=k - 1)]
-        ids = pool.add(tokens, scores, front_ids[:, rows], depth)
+        scores = tree.scores.gather(1, front)[:, rows] + top.values[:, rows, ranks]
+        tree, ids = tree.grow(tokens, scores, front[:, rows], depth)
         nxt = torch.tensor([i for i, (_, _, has) in enumerate(level) if has], dtype=torch.int64, device=dev)
-        return Frontier(ids[:, nxt], tokens[:, nxt], scores[:, nxt], rows[nxt].expand(len(ids), -1))
-
-
-
-def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """bool [..., n] -> int32 [..., ceil(n / 32)]: bit j % 32 of word j // 32 (DESIGN.md's mask words)."""
-    n = mask.shape[-1]
-    W = (n + 31) // 32
-    padded = torch.nn.functional.pad(mask, (0, W * 32 - n)).view(*mask.shape[:-1], W, 32).long()
-    words = (padded << torch.arange(32, device=mask.device)).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).int()
+        return tree, ids[:, nxt]

@@ -1,0 +1,254 @@
+"""Decoders: vanilla decoding and the one speculative round every method shares.
+
+A decoder turns the running batch into new tokens per sequence: `prefill(seqs)` and `step(seqs)`, each
+returning `list[list[int]]`. The scheduler has reserved room for what a step writes and applies the result
+(appends tokens, cuts each cache back to `cached_len`). Speculative methods fill in `draft` and
+`catch_up`; the round is always:
+
+    draft (device) -> verify (device) -> one device-to-host copy -> catch up (draft caches) -> record
+
+Draft and verify make no host reads: every host value they need (block tables, cached lengths, sampling
+parameters) is known before the round, and device inputs arrive through one staged copy per step.
+Verification appends the whole tree to the target cache, moves the accepted path's KV to consecutive
+positions on the device, and leaves the truncation to the scheduler.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import eagle_kernels
+from .model_runner import ModelRunner, StepPlan
+from .sampler import Sampler
+from .scheduler import Sequence, cached_len
+from .trees import Tree
+
+
+class Decoder:
+    """What vanilla and speculative decoders share: the runner, the sampler, the scheduler's block tables."""
+    lookahead = 1  # cache positions a step may write past the cached tokens
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler, blocks):
+        self.runner, self.sampler, self.blocks = runner, sampler, blocks
+        self.model = runner.model
+
+    def plan(self, seqs: list[Sequence], starts: list[int], counts: list[int]) -> StepPlan:
+        return StepPlan([self.blocks.block_table(s.seq_id) for s in seqs], starts, counts)
+
+    def prefill_target(self, seqs: list[Sequence], capture=()):
+        """Target prefill + each sequence's first token. -> (first tokens, feature [T, H], captured,
+        cu_seqlens as a host list)."""
+        counts = [len(s.prompt_ids) for s in seqs]
+        meta, pos, ids = self.runner.meta(self.plan(seqs, [0] * len(seqs), counts),
+                                          ids=[t for s in seqs for t in s.prompt_ids])
+        feature, captured = self.model(ids, pos, self.runner.layers, meta, capture)
+        cu = [0]
+        for n in counts:
+            cu.append(cu[-1] + n)
+        last = self.runner.index([c - 1 for c in cu[1:]])
+        first = self.sampler(self.model.logits(feature.index_select(0, last)), [s.params for s in seqs])
+        return first.tolist(), feature, captured, cu
+
+    def release(self, seq_ids: list[int]):
+        """Forget retired sequences' per-sequence state."""
+
+    def stats(self) -> dict:
+        return {}
+
+
+class VanillaDecoder(Decoder):
+    """One target forward per token; the reference every speculative method must match."""
+
+    def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
+        return [[t] for t in self.prefill_target(seqs)[0]]
+
+    def step(self, seqs: list[Sequence]) -> list[list[int]]:
+        B = len(seqs)
+        plan = self.plan(seqs, [cached_len(s) for s in seqs], [1] * B)
+        Bp = self.runner.batch_rows(B)
+        g = self.runner.graph(("decode", Bp), plan.padded(Bp), self._decode, {"ids": ((Bp,), torch.int64)})
+        ids = self.runner.to_device([s.all_ids[-1] for s in seqs])
+        logits = g.run(plan.padded(Bp), ids=ids)                                     # [Bp, V]
+        return [[t] for t in self.sampler(logits[:B], [s.params for s in seqs]).tolist()]
+
+    def _decode(self, g):
+        feature, _ = self.model(g.inputs["ids"], g.positions, self.runner.layers, g.meta)
+        return self.model.logits(feature)
+
+
+@dataclass
+class Verdict:
+    """Verification's outcome, on the device (what catch-up needs) and on the host (one copy)."""
+    feature: torch.Tensor          # [B, N, H] target features of every verified node
+    captured: list[torch.Tensor]   # the target's captured layer inputs, [B, N, H] each
+    lengths: list[int]             # accepted draft tokens per sequence
+    paths: list[list[int]]         # accepted node indices, root first (lengths[b] + 1 of them)
+    new_tokens: list[list[int]]    # accepted drafts + the bonus / corrected token
+
+
+class SpeculativeDecoder(Decoder):
+    """The draft -> verify -> catch up round; a method implements `draft` and `catch_up`.
+
+    `draft(seqs) -> (Tree, draft_probs or None)`: trees rooted at each sequence's last token, on the
+    device, with draft_probs fp32 [B, N, V] for chains sampled from a draft distribution.
+    `catch_up(seqs, verdict)`: bring the draft's own state up to the accepted tokens."""
+    causal = False    # drafts are chains: causal masking is the ancestor mask
+    capture = ()      # target layers whose inputs catch-up needs
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler, blocks, timing: bool = False):
+        super().__init__(runner, sampler, blocks)
+        self._stats = SpecStats()
+        self.timing = timing
+
+    def step(self, seqs: list[Sequence]) -> list[list[int]]:
+        with self.timer("draft_s"):
+            tree, draft_probs = self.draft(seqs)
+        with self.timer("verify_s"):
+            out = self.verify(seqs, tree, draft_probs)
+        verdict = self.read(out)
+        with self.timer("draft_s"):
+            self.catch_up(seqs, verdict)
+        self._stats.record(verdict.lengths)
+        return verdict.new_tokens
+
+    def draft(self, seqs: list[Sequence]) -> tuple[Tree, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def catch_up(self, seqs: list[Sequence], verdict: Verdict):
+        raise NotImplementedError
+
+    def verify(self, seqs: list[Sequence], tree: Tree, draft_probs=None) -> tuple:
+        """Run the target once over every tree (root + drafts), accept the longest lossless path and move
+        its KV to consecutive positions. Device only. -> (summary int64 [B, 2N + 2], feature, captured)."""
+        B, N = tree.tokens.shape
+        plan = self.plan(seqs, [cached_len(s) for s in seqs], [N] * B)
+        Bp = self.runner.batch_rows(B)
+        W = (N + 31) // 32
+        inputs = {"ids": ((Bp, N), torch.int64), "depths": ((Bp, N), torch.int32)}
+        if not self.causal:
+            inputs["tree_mask"] = ((Bp * N, W), torch.int32)
+        g = self.runner.graph(("verify", Bp, N, self.causal, self.capture), plan.padded(Bp), self._verify_fn,
+                              inputs)
+        given = {"ids": tree.tokens, "depths": tree.depths}
+        if not self.causal:
+            given["tree_mask"] = tree.mask()
+        logits, feature, captured = g.run(plan.padded(Bp), **given)
+        logits = logits.view(Bp, N, -1)[:B]                                              # [B, N, V]
+        path, length, nxt = self.accept(seqs, tree, logits, draft_probs)
+        self.keep_path(g.meta.slot_mapping.view(Bp, N)[:B], path)
+        on_path = tree.tokens.gather(1, path.clamp(min=0).long())
+        summary = torch.cat([length[:, None].long(), nxt[:, None], path.long(), on_path], 1)  # [B, 2N + 2]
+        return summary, feature.view(Bp, N, -1)[:B], [c.view(Bp, N, -1)[:B] for c in captured]
+
+    def _verify_fn(self, g):
+        Bp, N = g.inputs["ids"].shape
+        rope = g.meta.prefix_lens[:, None] + g.inputs["depths"]                              # [Bp, N]
+        feature, captured = self.model(g.inputs["ids"].flatten(), rope.flatten(), self.runner.layers, g.meta,
+                                       self.capture)
+        return self.model.logits(feature), feature, captured
+
+    def accept(self, seqs, tree: Tree, logits, draft_probs):
+        """Greedy rows accept while the draft equals the target's argmax; sampled rows by tree rejection
+        sampling. -> accept_path int32 [B, N], accept_len int32 [B], next_token int64 [B]."""
+        args = (tree.parents, tree.tokens, tree.sizes)
+        path, length, nxt = eagle_kernels.tree_accept_greedy(*args, logits.argmax(-1))
+        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
+        if sampled:
+            rows = self.runner.index(sampled)
+            B, N = tree.tokens.shape
+            probs = self.sampler.probs(logits.index_select(0, rows), [seqs[b].params for b in sampled])
+            uniforms = torch.rand(len(sampled), N + 1, generator=self.sampler.generator, device=logits.device)
+            q = None if draft_probs is None else draft_probs.index_select(0, rows)
+            out = eagle_kernels.tree_accept_sample(*(a.index_select(0, rows) for a in args), probs, uniforms, q)
+            path, length, nxt = (t.index_copy(0, rows.long(), o) for t, o in zip((path, length, nxt), out))
+        return path, length, nxt
+
+    def keep_path(self, slots: torch.Tensor, path: torch.Tensor):
+        """Copy the KV of accepted node path[b, j] (at slots[b, path[b, j]]) to slots[b, j], every layer at
+        once; rejected positions copy onto themselves. slots: int32 [B, N]; path: int32 [B, N], -1 padded."""
+        src = torch.where(path >= 0, slots.gather(1, path.clamp(min=0).long()), slots).flatten().long()
+        kv = self.runner.kv.flatten(0, 1).flatten(1, 2)                     # [layers * 2, slots, Hkv, D]
+        kv.index_copy_(1, slots.flatten().long(), kv.index_select(1, src))
+
+    def read(self, out) -> Verdict:
+        """The round's one device-to-host copy."""
+        summary, feature, captured = out
+        host = summary.tolist()
+        N = (summary.shape[1] - 2) // 2
+        lengths = [row[0] for row in host]
+        paths = [row[2:3 + n] for row, n in zip(host, lengths)]
+        new = [row[3 + N:3 + N + n] + [row[1]] for row, n in zip(host, lengths)]
+        return Verdict(feature, captured, lengths, paths, new)
+
+    def timer(self, attr: str) -> "Timer":
+        return Timer(self._stats, attr, self.runner.device, self.timing)
+
+    def stats(self) -> dict:
+        """Counters since the last call (LLM.generate calls this once per run)."""
+        out, self._stats = self._stats.as_dict(), SpecStats()
+        return out
+
+
+@dataclass
+class SpecStats:
+    """Per-run counters: rounds are (sequence, verify) pairs; depth d is reached when >= d drafts pass."""
+    rounds: int = 0
+    reached: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    events: list = field(default_factory=list)  # (attr, start, end) CUDA events, resolved in as_dict
+
+    def record(self, lengths: list[int]):
+        self.rounds += len(lengths)
+        for n in lengths:
+            if n > len(self.reached):
+                self.reached += [0] * (n - len(self.reached))
+            for d in range(n):
+                self.reached[d] += 1
+
+    def as_dict(self) -> dict:
+        for attr, start, end in self.events:
+            end.synchronize()
+            setattr(self, attr, getattr(self, attr) + start.elapsed_time(end) / 1000)
+        n = max(self.rounds, 1)
+        return {"tau": round(1 + sum(self.reached) / n, 3), "rounds": self.rounds,
+                "accept_by_depth": [round(r / n, 3) for r in self.reached],
+                "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4)}
+
+
+class Timer:
+    """Adds a `with` block's time to stats.<attr> when timing is on: wall time on the CPU, CUDA events
+    (read after the run, never synchronising a round) on a GPU."""
+
+    def __init__(self, stats: SpecStats, attr: str, device: torch.device, enabled: bool):
+        self.stats, self.attr, self.enabled = stats, attr, enabled
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if not self.enabled:
+            return
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if not self.enabled:
+            return
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.stats.events.append((self.attr, self.start, end))
+        else:
+            setattr(self.stats, self.attr, getattr(self.stats, self.attr) + time.perf_counter() - self.t0)
+
+
+def depth_caps(seqs: list[Sequence], max_position: int) -> list[int]:
+    """The deepest draft worth verifying per sequence: a round yields at most depth + 1 tokens, and tree
+    positions (the root's + depth) must stay inside the model's context."""
+    return [max(0, min(s.params.max_new_tokens - len(s.output_ids) - 1, max_position - len(s.all_ids)))
+            for s in seqs]
+
