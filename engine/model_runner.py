@@ -98,6 +98,22 @@ class ModelRunner:
         buf = self._staging.to_device(self._plan_ints(plan, ids))
         return self._views(buf, plan, tree_mask, ids is not None)
 
+    @torch.inference_mode()
+    def forward(self, blocks, seq_ids: list[int], tokens: list[list[int]], capture: tuple[int, ...] = ()):
+        """Append tokens[i] to sequence seq_ids[i] in `blocks` (a BlockManager; room is reserved) and run the
+        target over them, causally. For callers outside the decoders: tests, benchmarks, data generation.
+        -> (feature [T, H], captured layer inputs, cu_seqlens list)."""
+        starts = [blocks.length(s) for s in seq_ids]
+        for s, start, t in zip(seq_ids, starts, tokens):
+            blocks.reserve(s, start + len(t))
+        plan = StepPlan([blocks.block_table(s) for s in seq_ids], starts, [len(t) for t in tokens])
+        meta, pos, ids = self.meta(plan, ids=[t for ts in tokens for t in ts])
+        feature, captured = self.model(ids, pos, self.layers, meta, capture)
+        cu = [0]
+        for t in tokens:
+            cu.append(cu[-1] + len(t))
+        return feature, captured, cu
+
     def to_device(self, ints: list[int]) -> torch.Tensor:
         """Host ints -> int64 [n] on the device, through the staging copy (a pageable copy would sync)."""
         return self._staging.to_device(ints).long()

@@ -128,11 +128,12 @@ def tiny_target(seed=0, layers=8):
 
 
 def test_dense_features_match_paged_engine():
+    from engine.block_manager import BlockManager
     from engine.model_runner import ModelRunner
     model = tiny_target()
-    runner = ModelRunner(model, model.cfg, kv_cache_gb=0.01, block_size=16)
+    runner = ModelRunner(model, model.cfg, torch.float32, torch.device("cpu"), 16, 16, model.cfg.max_position)
     seqs = [torch.randint(0, 64, (n,)).tolist() for n in (20, 7)]
-    feat, cap, cu = runner.forward([0, 1], seqs, capture=model.cfg.eagle3_layers)
+    feat, cap, cu = runner.forward(BlockManager(16, 16), [0, 1], seqs, capture=model.cfg.eagle3_layers)
     ids = torch.zeros(2, 20, dtype=torch.long)
     ids[0], ids[1, :7] = torch.tensor(seqs[0]), torch.tensor(seqs[1])
     hidden, feature = data.target_features(model, ids, model.cfg.eagle3_layers)

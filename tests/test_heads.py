@@ -157,7 +157,10 @@ def test_missing_and_unexpected_tensors(tmp_path):
 def paged_forward(head, ids, hidden, chunks, tree_parents=None):
     """Feed the tokens to the head's paged cache in `chunks` (a causal prefix, then optionally a tree);
     -> outputs of every token."""
-    runner = ModelRunner(head, head.cfg, block_size=4, num_blocks=16)
+    from engine.block_manager import BlockManager
+    from engine.model_runner import StepPlan, kv_layers
+    runner = ModelRunner(head, head.cfg, torch.float32, torch.device("cpu"), 16, 4, head.cfg.max_position)
+    blocks = BlockManager(16, 4)
     outs, start = [], 0
     for i, n in enumerate(chunks):
         mask = None
@@ -166,9 +169,10 @@ def paged_forward(head, ids, hidden, chunks, tree_parents=None):
             from tests.kernel_refs_attention import ancestor_mask_bits
             mask = ancestor_mask_bits(tree_parents)
             pos = start + tree_depths(tree_parents)
-        meta, _, _ = runner.build_meta([0], [n], mask)
+        blocks.reserve(0, start + n)
+        meta, _, _ = runner.meta(StepPlan([blocks.block_table(0)], [start], [n]), tree_mask=mask)
         with torch.inference_mode():
-            outs.append(head(ids[start:start + n], hidden[start:start + n], pos, runner.kv_layers[0], meta))
+            outs.append(head(ids[start:start + n], hidden[start:start + n], pos, runner.layers[0], meta))
         start += n
     return torch.cat(outs)
 

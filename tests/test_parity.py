@@ -40,8 +40,9 @@ def hf_logits(hf_model, prompt_ids, ours_batched):
 def test_last_position_logits_match_transformers(smollm, prompt_ids, hf_logits):
     runner = smollm.runner
     for i, ids in enumerate(prompt_ids):
-        feature, _, _ = runner.forward([10_000 + i], [ids])
-        runner.blocks.free(10_000 + i)
+        blocks = smollm.scheduler.blocks
+        feature, _, _ = runner.forward(blocks, [10_000 + i], [ids])
+        blocks.free(10_000 + i)
         ours = smollm.model.logits(feature[-1:])[0]
         assert (ours - hf_logits[i][len(ids) - 1]).abs().max().item() < 1e-4, CHAT_PROMPTS[i]
 
@@ -72,7 +73,7 @@ def test_batched_greedy_equals_each_sequence_alone(smollm, prompt_ids, ours_batc
 
 def test_kv_blocks_all_return_to_the_pool(smollm, prompt_ids):
     smollm.generate(prompt_ids[:4], SamplingParams(max_new_tokens=8))
-    assert smollm.runner.blocks.num_free == smollm.runner.blocks.num_blocks
+    assert smollm.scheduler.blocks.num_free == smollm.scheduler.blocks.num_blocks
 
 
 def test_sampling_is_seeded_and_reproducible(smollm, prompt_ids):

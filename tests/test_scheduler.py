@@ -1,11 +1,10 @@
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.scheduler import SamplingParams, Scheduler, Sequence
+from engine.scheduler import SamplingParams, Scheduler, Sequence, cached_len
 
 
 def make(num_blocks=8, block_size=4, max_batch=4, ctx=64, lookahead=0):
-    return Scheduler(BlockManager(num_blocks, block_size), max_batch, ctx, eos_ids=(2,), lookahead=lookahead)
+    return Scheduler(num_blocks, block_size, max_batch, ctx, eos_ids=(2,), lookahead=lookahead)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -57,3 +56,20 @@ def test_abort_frees_blocks():
     s.blocks.allocate(seq.seq_id, 3)
     s.abort_all()
     assert s.blocks.num_free == 8 and not s.has_work
+
+
+def test_prepare_reserves_the_lookahead_and_commit_cuts_back_to_the_cache_invariant():
+    s = make(num_blocks=8, block_size=4, lookahead=5)
+    seq = Sequence([1, 2, 3], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    s.add(seq)
+    s.admit()
+    s.prepare([seq], prefill=True)
+    assert s.blocks.length(seq.seq_id) == 3 + 5
+    s.commit(seq, [7])
+    assert s.blocks.length(seq.seq_id) == cached_len(seq) == 3 and s.blocks.num_free == 7
+    s.prepare([seq], prefill=False)
+    assert s.blocks.length(seq.seq_id) == 3 + 5 and s.blocks.num_free == 6
+    assert s.commit(seq, [8, 9, 10]) == [8, 9, 10]
+    assert s.blocks.length(seq.seq_id) == cached_len(seq) == 6 and s.blocks.num_free == 6
+    s.commit(seq, [1] * 8)  # finishes at max_new_tokens: retirement frees it
+    assert seq.finish_reason == "length" and s.retire_finished() == [seq] and s.blocks.num_free == 8

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.heads import new_head
-from engine.llm import LLM, METHODS
+from engine.llm import LLM
 from engine.loader import ModelNotFoundError
 from engine.run import default_method, main
 from engine.scheduler import SamplingParams
@@ -49,16 +49,20 @@ SMALL_STATIC = ((0,), (0, 0), (0, 1))
 def llm():
     threads = torch.get_num_threads()
     # One thread: with other jobs on the 2 cores, a second OpenMP thread mostly spins.
-    llm = LLM("smollm2-135m", "float32", kv_cache_gb=0.25, max_batch=len(PROMPTS), threads=1)
+    llm = LLM("smollm2-135m", "float32", device="cpu", kv_cache_gb=0.25, max_batch=len(PROMPTS), threads=1,
+              timing=True)
     yield llm
     torch.set_num_threads(threads)
 
 
 def use(llm, method, **args):
-    llm.method_args = args
-    llm.decoder = METHODS[method](llm)
-    llm.scheduler.lookahead = llm.decoder.lookahead
-    return llm.decoder
+    return llm.set_method(method, args)
+
+
+def assert_released(llm, decoder):
+    """Every KV block back in the pool, no per-sequence draft state left."""
+    assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
+    assert not getattr(decoder, "pending", None) and not getattr(decoder, "next_logits", None)
 
 
 def run(llm, prompts, new_tokens=NEW_TOKENS):
@@ -90,13 +94,13 @@ def test_greedy_is_lossless(llm, prompt_ids, vanilla, name):
     out, stats = run(llm, prompt_ids)
     assert_same(out, vanilla)
     assert stats["rounds"] > 0 and stats["tau"] >= 1 and stats["draft_s"] > 0 and stats["verify_s"] > 0
-    assert llm.runner.blocks.num_free == llm.runner.blocks.num_blocks
-    assert decoder.cache.blocks.num_free == decoder.cache.blocks.num_blocks and not decoder.state
+    assert_released(llm, decoder)
 
 
 @pytest.mark.slow
 def test_greedy_is_lossless_static_tree(llm, prompt_ids, vanilla):
-    llm.decoder = EagleDecoder(llm.runner, llm.sampler, new_head("eagle", llm.model), StaticTree(SMALL_STATIC))
+    llm.decoder = EagleDecoder(llm.runner, llm.sampler, llm.scheduler.blocks, new_head("eagle", llm.model),
+                               StaticTree(SMALL_STATIC))
     llm.scheduler.lookahead = llm.decoder.lookahead
     assert_same(run(llm, prompt_ids)[0], vanilla)
 
@@ -118,7 +122,7 @@ def test_default_method_uses_a_shipped_eagle3_head(llm, prompt_ids, vanilla):
     out, stats = run(llm, prompt_ids[:5], 64)
     assert out == [v[:64] for v in vanilla[:5]]
     assert stats["tau"] > 1.1  # an untrained head stays at ~1.0
-    assert decoder.cache.blocks.num_free == decoder.cache.blocks.num_blocks and not decoder.state
+    assert_released(llm, decoder)
 
 
 def test_aborted_run_returns_every_block(llm, prompt_ids):
@@ -130,8 +134,7 @@ def test_aborted_run_returns_every_block(llm, prompt_ids):
             raise ConnectionError("client gone")
     with pytest.raises(ConnectionError):
         llm.generate(prompt_ids[:3], SamplingParams(max_new_tokens=32), on_tokens=hang_up)
-    assert llm.runner.blocks.num_free == llm.runner.blocks.num_blocks
-    assert decoder.cache.blocks.num_free == decoder.cache.blocks.num_blocks and not decoder.state
+    assert_released(llm, decoder)
 
 
 def test_batched_equals_each_request_alone(llm, prompt_ids, vanilla):
@@ -177,7 +180,7 @@ def test_cli_reports_errors(capsys):
 def test_bf16_greedy_is_lossless_with_the_shipped_head():
     """In bf16 every op rounds coarsely, so verification must compute what decoding computes bit for bit
     (batch-invariant linear and attention kernels); otherwise near-ties flip and outputs drift apart."""
-    bf16 = LLM("smollm2-135m", "bfloat16", kv_cache_gb=0.25, max_batch=6, threads=1)
+    bf16 = LLM("smollm2-135m", "bfloat16", device="cpu", kv_cache_gb=0.25, max_batch=6, threads=1)
     prompts = [bf16.chat_ids(p) for p in PROMPTS[:6]]
     ref, _ = run(bf16, prompts, 64)
     use(bf16, "eagle3")  # the shipped head, CPU default tree

@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 import eagle_kernels
-from engine.llm import LLM, METHODS
+from engine.llm import LLM
 from engine.scheduler import SamplingParams
 from tests.conftest import write_tiny_llama
 
@@ -42,15 +42,13 @@ def tiny(tmp_path_factory):
     hf.save_pretrained(str(path), safe_serialization=True)
     write_tokenizer(path, VOCAB)
     threads = torch.get_num_threads()
-    llm = LLM(str(path), kv_cache_gb=0.2, block_size=8, max_batch=len(GROUPS) * SAMPLES + 8, seed=3, threads=1)
+    llm = LLM(str(path), "float32", device="cpu", kv_cache_gb=0.2, block_size=8, max_batch=len(GROUPS) * SAMPLES + 8, seed=3, threads=1)
     yield llm, hf
     torch.set_num_threads(threads)
 
 
 def use(llm, method, **args):
-    llm.method_args = args
-    llm.decoder = METHODS[method](llm)
-    llm.scheduler.lookahead = llm.decoder.lookahead
+    llm.set_method(method, args)
 
 
 def exact_distribution(hf, params: SamplingParams) -> torch.Tensor:
