@@ -1,0 +1,134 @@
+"""The whole engine on a tiny random Llama through both kernel paths: the CPU's C++ ops and the GPU's
+implementations (Triton, run on CPU tensors by the interpreter inside `eagle_kernels.triton_on_cpu()`,
+with batches padded to CUDA-graph buckets as on a GPU). Every method, greedy and sampled, batch 1 and 4:
+greedy output equals vanilla's on the C++ path, caches come back empty, and a round's draft and verify
+bodies make no host reads (the GPU's sync-freedom, proven on the CPU)."""
+import pytest
+import torch
+
+import eagle_kernels
+from engine.llm import LLM
+from engine.scheduler import SamplingParams
+from tests.conftest import write_tiny_llama
+from tests.host_reads import HostRead, no_host_reads
+from tests.test_speculative_sampling import write_tokenizer
+
+VOCAB = 96
+PROMPTS = [[1, 5, 9, 11, 4], [1, 7], [1, 3, 3, 3, 4, 5, 6, 7, 8], [1, 40, 41]]
+NEW = 12
+METHODS = {
+    "sps": ("sps", {"draft": "early-exit:4", "draft_len": 3}),
+    "eagle-static": ("eagle", {"head": "random", "tree": "static"}),
+    "eagle-dynamic": ("eagle", {"head": "random", "depth": 3, "topk": 3, "tree_tokens": 7}),
+    "eagle3": ("eagle3", {"head": "random", "depth": 3, "topk": 4, "tree_tokens": 8}),
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    """8 layers (EAGLE-3 fuses three distinct ones) and a sharpened LM head, so drafts get accepted and
+    accepted paths of several lengths mix in one batch."""
+    path = tmp_path_factory.mktemp("tiny")
+    hf = write_tiny_llama(path, seed=5, vocab_size=VOCAB, num_hidden_layers=8)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(10.0)
+    hf.save_pretrained(str(path), safe_serialization=True)
+    write_tokenizer(path, VOCAB)
+    return LLM(str(path), "float32", device="cpu", kv_cache_gb=0.02, block_size=8, max_batch=4, seed=1)
+
+
+def generate(llm, prompts, greedy=True, method="vanilla", args=None):
+    llm.set_method(method, args or {})
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.0 if greedy else 0.8,
+                            top_k=0 if greedy else 20)
+    seqs, stats = llm.generate(prompts, params)
+    assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
+    assert not getattr(llm.decoder, "pending", None) and not getattr(llm.decoder, "next_logits", None)
+    return [s.output_ids for s in seqs], stats.as_dict()
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """Vanilla greedy on the C++ CPU path, each prompt alone."""
+    return [generate(llm, [p])[0][0] for p in PROMPTS]
+
+
+def gpu_path(llm, on: bool):
+    llm.runner.bucketed = on
+    return eagle_kernels.triton_on_cpu(on)
+
+
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+@pytest.mark.parametrize("name", ["vanilla"] + list(METHODS))
+def test_greedy_equals_vanilla_on_both_paths(llm, reference, path, name):
+    method, args = METHODS.get(name, ("vanilla", {}))
+    with gpu_path(llm, path == "gpu"):
+        batched, stats = generate(llm, PROMPTS, method=method, args=args)
+        alone, _ = generate(llm, PROMPTS[:1], method=method, args=args)
+    assert batched == reference and alone == reference[:1]
+    if name != "vanilla":
+        assert stats["tau"] > 1.0  # paths were accepted, so the KV moves were exercised
+
+
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+@pytest.mark.parametrize("name", ["vanilla"] + list(METHODS))
+def test_sampled_runs_on_both_paths(llm, path, name):
+    method, args = METHODS.get(name, ("vanilla", {}))
+    with gpu_path(llm, path == "gpu"):
+        out, _ = generate(llm, PROMPTS[:3], greedy=False, method=method, args=args)
+    assert all(len(o) == NEW and all(0 <= t < VOCAB for t in o) for o in out)
+
+
+def forbid_host_reads(decoder, names):
+    """Wrap the decoder's methods so their bodies run inside no_host_reads()."""
+    for name in names:
+        fn = getattr(decoder, name)
+
+        def wrapped(*args, _fn=fn, **kwargs):
+            with no_host_reads():
+                return _fn(*args, **kwargs)
+        setattr(decoder, name, wrapped)
+
+
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("name", ["vanilla"] + list(METHODS))
+def test_rounds_make_no_host_reads(llm, path, greedy, name):
+    method, args = METHODS.get(name, ("vanilla", {}))
+    with gpu_path(llm, path == "gpu"):
+        ref, _ = generate(llm, PROMPTS[:2], greedy=greedy, method=method, args=args)
+        llm.set_method(method, args)
+        forbid_host_reads(llm.decoder, ["_decode"] if name == "vanilla" else ["draft", "verify"])
+        params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.0 if greedy else 0.8,
+                                top_k=0 if greedy else 20)
+        seqs, _ = llm.generate(PROMPTS[:2], params)
+    if greedy:
+        assert [s.output_ids for s in seqs] == ref
+
+
+def test_the_host_read_guard_catches_reads():
+    x = torch.arange(3)
+    with no_host_reads():
+        for read in (lambda: x.tolist(), lambda: x[0].item(), lambda: bool(x.any()), lambda: int(x[1]),
+                     lambda: x.cpu(), lambda: x.nonzero(), lambda: torch.nonzero(x)):
+            with pytest.raises(HostRead):
+                read()
+
+
+def test_kernels_reject_tensors_on_another_device():
+    meta = torch.device("meta")
+    parents = torch.tensor([[-1, 0]], dtype=torch.int32)
+    sizes = torch.tensor([2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="device|on meta|on cpu"):
+        eagle_kernels.build_tree(parents, sizes.to(meta))
+    with pytest.raises(ValueError, match="device|on meta|on cpu"):
+        eagle_kernels.tree_accept_greedy(parents, torch.zeros(1, 2, dtype=torch.long), sizes,
+                                         torch.zeros(1, 2, dtype=torch.long, device=meta))
+    q = torch.randn(2, 4, 8)
+    cache = torch.zeros(4, 4, 2, 8)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="on"):
+        eagle_kernels.paged_attention(q, cache, cache, tables, cu, torch.zeros(1, dtype=torch.int32, device=meta))
+    with pytest.raises(ValueError, match="device|on meta|on cpu"):
+        eagle_kernels.topk_expand(torch.randn(1, 8), torch.zeros(1, device=meta), 2)
