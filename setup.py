@@ -16,16 +16,31 @@ except ImportError:
              "then run pip install --no-build-isolation -e .")
 
 
+def openmp_link_flags() -> list[str]:
+    """Link against the OpenMP runtime torch itself loads, never a second copy.
+
+    at::parallel_for is a header template that spreads work over threads only when the extension is
+    compiled with -fopenmp; its GOMP_* calls must reach torch's runtime, whose pool torch.set_num_threads
+    sizes. Linking with -fopenmp records DT_NEEDED libgomp.so.1, which is torch's copy only when torch
+    bundles it under that soname (the CPU wheel here). Wheels that bundle it under a hashed soname
+    (torch/lib/libgomp-<hash>.so.1, as pip CUDA wheels do) then get the host compiler's libgomp loaded
+    beside torch's: two OpenMP runtimes in one process, the prime suspect for the CUDA build's crashes.
+    Linking the bundled file by path makes DT_NEEDED its soname, already loaded by libtorch_cpu.
+    """
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    bundled = sorted(glob.glob(os.path.join(torch_lib, "libgomp*.so*")))
+    if bundled:
+        return [bundled[0], f"-Wl,-rpath,{torch_lib}"]
+    return ["-fopenmp"]  # torch linked the system runtime itself (distribution / conda builds)
+
+
 def extension():
     cpp_sources = sorted(glob.glob("csrc/*.cpp"))
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
     with_cuda = (torch.version.cuda is not None and CUDA_HOME is not None
                  and os.environ.get("EAGLE_NO_CUDA", "0") != "1")
-    # OpenMP: at::parallel_for is a header template that only spreads work over threads when the extension
-    # itself is compiled with -fopenmp; the soname matches the libgomp torch bundles, so torch's copy (and
-    # thread pool) is the one used.
     cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
-    link_flags = ["-fopenmp"]
+    link_flags = openmp_link_flags()
     if with_cuda:
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
         nvcc_flags = ["-O3", "-std=c++17", "--use_fast_math"]

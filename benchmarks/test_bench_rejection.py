@@ -1,5 +1,5 @@
-"""tree_accept_greedy / tree_accept_sample: the C++ op (CPU; the CUDA op and Triton for CUDA tensors)
-against the naive reference.
+"""tree_accept_greedy / tree_accept_sample: the public functions (the C++ op on CPU, the Triton kernels on
+CUDA) against the naive reference.
 
 Bytes moved = the tree, uniforms and outputs + the probability rows the algorithm has to read: every
 node on the accepted path for deterministic drafts; with draft probabilities only the final node's target
@@ -8,8 +8,7 @@ row and, if its child was rejected, that child's draft row (accepted nodes read 
 import pytest
 import torch
 
-from eagle_kernels import rejection, tree_accept_greedy, tree_accept_sample
-from eagle_kernels._ops import has_kernel
+from eagle_kernels import tree_accept_greedy, tree_accept_sample
 from kernel_refs_tree import batch_trees, random_bfs_parents, ref_tree_accept_greedy, ref_tree_accept_sample
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -20,9 +19,7 @@ if DEVICE.type == "cuda":
 REFERENCE_SHAPES = {"B4-N16-V1k"}
 MODES = ["greedy", "sample", "sample-draft-probs"]
 
-IMPLS = ["native", "reference"]
-if DEVICE.type == "cuda" and rejection.triton is not None:
-    IMPLS.append("triton")
+IMPLS = ["triton" if DEVICE.type == "cuda" else "native", "reference"]  # the one implementation per device
 
 
 def make_case(B: int, N: int, V: int) -> dict:
@@ -59,11 +56,9 @@ def call(impl: str, mode: str, case: dict):
         if mode == "greedy":
             return lambda: ref_tree_accept_greedy(case["parents"], case["tokens"], case["sizes"], case["argmax"])
         return lambda: ref_tree_accept_sample(**sample_args(case, mode))
-    backend = None if impl == "native" and DEVICE.type == "cpu" else impl
     if mode == "greedy":
-        return lambda: tree_accept_greedy(case["parents"], case["tokens"], case["sizes"], case["argmax"],
-                                          backend=backend)
-    return lambda: tree_accept_sample(**sample_args(case, mode), backend=backend)
+        return lambda: tree_accept_greedy(case["parents"], case["tokens"], case["sizes"], case["argmax"])
+    return lambda: tree_accept_sample(**sample_args(case, mode))
 
 
 def sample_args(case: dict, mode: str) -> dict:
@@ -77,8 +72,6 @@ def sample_args(case: dict, mode: str) -> dict:
 def test_tree_accept(bandwidth, shape, mode, impl):
     if impl == "reference" and shape not in REFERENCE_SHAPES:
         pytest.skip("the reference is too slow for this shape")
-    if impl == "native" and DEVICE.type == "cuda" and not has_kernel("tree_accept_sample", DEVICE):
-        pytest.skip("eagle_kernels._C was built without CUDA")
     case = make_case(*SHAPES[shape])
     case["argmax"] = case["target_probs"].argmax(-1)
     device = torch.device("cpu") if impl == "reference" else DEVICE

@@ -1,10 +1,12 @@
 // Argument validation shared by the CPU ops and the CUDA bindings. Failures raise ValueError in
-// Python (TORCH_CHECK_VALUE), matching the checks of the Python launchers.
+// Python (TORCH_CHECK_VALUE), matching the checks of the Python launchers, which run first: these are
+// the backstop for direct torch.ops.eagle calls.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 
 namespace eagle {
 
@@ -60,18 +62,41 @@ inline void check_sample_args(const at::Tensor& parents, const at::Tensor& token
   }
 }
 
-// Host-side structural checks (CPU ops only: a device check would need a synchronisation).
-inline void check_tree_values(const int32_t* parents, const int32_t* sizes, int64_t B, int64_t N) {
+// Host-side value checks (CPU tensors only: on a device they would need a synchronisation). Each
+// returns the first problem as a message, or "" when the values are valid; they never throw, so the
+// non-throwing `tree_errors` op and the throwing checks of the ops share them.
+inline std::string tree_value_error(const int32_t* parents, const int32_t* sizes, int64_t B, int64_t N) {
   for (int64_t b = 0; b < B; ++b) {
     const int32_t n = sizes[b];
-    TORCH_CHECK_VALUE(n >= 1 && n <= N, "sizes[", b, "] = ", n, " is outside [1, ", N, "]");
+    if (n < 1 || n > N) return c10::str("sizes[", b, "] = ", n, " is outside [1, ", N, "]");
     const int32_t* par = parents + b * N;
-    TORCH_CHECK_VALUE(par[0] == -1, "parents[", b, ", 0] must be -1 (root), got ", par[0]);
+    if (par[0] != -1) return c10::str("parents[", b, ", 0] must be -1 (root), got ", par[0]);
     for (int32_t i = 1; i < n; ++i) {
-      TORCH_CHECK_VALUE(par[i] >= 0 && par[i] < i, "parents[", b, ", ", i, "] = ", par[i],
-                        " breaks BFS order (0 <= parent < node)");
+      if (par[i] < 0 || par[i] >= i) {
+        return c10::str("parents[", b, ", ", i, "] = ", par[i], " breaks BFS order (0 <= parent < node)");
+      }
     }
   }
+  return {};
+}
+
+// Draft tokens of the valid non-root nodes must index the vocabulary [0, V); sizes already valid.
+inline std::string token_value_error(const int64_t* tokens, const int32_t* sizes, int64_t B, int64_t N,
+                                     int64_t V) {
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 1; i < sizes[b]; ++i) {
+      const int64_t x = tokens[b * N + i];
+      if (x < 0 || x >= V) {
+        return c10::str("tokens[", b, ", ", i, "] = ", x, " is outside the vocabulary [0, ", V, ")");
+      }
+    }
+  }
+  return {};
+}
+
+inline void check_tree_values(const int32_t* parents, const int32_t* sizes, int64_t B, int64_t N) {
+  const std::string err = tree_value_error(parents, sizes, B, N);
+  TORCH_CHECK_VALUE(err.empty(), err);
 }
 
 }  // namespace eagle

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -323,75 +324,101 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   run_scalar(qp, kc, vc, tables, seq_of, cu, prefix, mask, L, op);
 }
 
-#define CHECK_ARG(cond, ...) TORCH_CHECK_VALUE(cond, "paged_attention: ", __VA_ARGS__)
+// Each check returns the first problem as "paged_attention: ..." (the Python launchers' messages), or ""
+// when all is well; they never throw, so the `paged_attention_errors` op can hand the message to Python.
+#define FAIL_UNLESS(cond, ...) \
+  if (!(cond)) return c10::str("paged_attention: ", __VA_ARGS__)
 
-// Shapes and dtypes as the Python launchers check them (same messages), then the values a wrong table
-// would turn into out-of-bounds reads: cu_seqlens, prefix lengths and every block id in use.
-Layout check_args(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
-                  const at::Tensor& cu, const at::Tensor& pl, const c10::optional<at::Tensor>& tm) {
-  CHECK_ARG(q.dim() == 3, "q must be [T, Hq, D], got shape ", q.sizes());
-  CHECK_ARG(kc.dim() == 4 && kc.sizes() == vc.sizes(),
-            "k_cache/v_cache must both be [num_blocks, block_size, Hkv, D], got ", kc.sizes(), " and ", vc.sizes());
+// Shapes, dtypes and devices as the Python launchers check them; fills L on success.
+std::string arg_error(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
+                      const at::Tensor& cu, const at::Tensor& pl, const c10::optional<at::Tensor>& tm, Layout& L) {
+  FAIL_UNLESS(q.dim() == 3, "q must be [T, Hq, D], got shape ", q.sizes());
+  FAIL_UNLESS(kc.dim() == 4 && kc.sizes() == vc.sizes(),
+              "k_cache/v_cache must both be [num_blocks, block_size, Hkv, D], got ", kc.sizes(), " and ", vc.sizes());
   const auto dt = q.scalar_type();
-  CHECK_ARG((dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16) && kc.scalar_type() == dt &&
-                vc.scalar_type() == dt,
-            "q, k_cache, v_cache must share one of (float32, float16, bfloat16), got ", dt, ", ",
-            kc.scalar_type(), ", ", vc.scalar_type());
-  CHECK_ARG(kc.size(3) == q.size(2), "head_dim mismatch: q has ", q.size(2), ", cache has ", kc.size(3));
-  CHECK_ARG(q.size(1) % kc.size(2) == 0, "Hq=", q.size(1), " must be a multiple of Hkv=", kc.size(2));
-  CHECK_ARG(bt.dim() == 2 && bt.scalar_type() == at::kInt,
-            "block_tables must be int32 [B, max_blocks], got ", bt.scalar_type(), " ", bt.sizes());
+  FAIL_UNLESS((dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16) && kc.scalar_type() == dt &&
+                  vc.scalar_type() == dt,
+              "q, k_cache, v_cache must share one of (float32, float16, bfloat16), got ", dt, ", ",
+              kc.scalar_type(), ", ", vc.scalar_type());
+  FAIL_UNLESS(kc.size(3) == q.size(2), "head_dim mismatch: q has ", q.size(2), ", cache has ", kc.size(3));
+  FAIL_UNLESS(kc.size(2) > 0 && q.size(1) % kc.size(2) == 0, "Hq=", q.size(1), " must be a multiple of Hkv=",
+              kc.size(2));
+  FAIL_UNLESS(bt.dim() == 2 && bt.scalar_type() == at::kInt,
+              "block_tables must be int32 [B, max_blocks], got ", bt.scalar_type(), " ", bt.sizes());
   const int64_t B = bt.size(0);
-  CHECK_ARG(cu.scalar_type() == at::kInt && cu.dim() == 1 && cu.size(0) == B + 1,
-            "cu_seqlens_q must be int32 [B + 1] = [", B + 1, "], got ", cu.scalar_type(), " ", cu.sizes());
-  CHECK_ARG(pl.scalar_type() == at::kInt && pl.dim() == 1 && pl.size(0) == B,
-            "prefix_lens must be int32 [B] = [", B, "], got ", pl.scalar_type(), " ", pl.sizes());
+  FAIL_UNLESS(cu.scalar_type() == at::kInt && cu.dim() == 1 && cu.size(0) == B + 1,
+              "cu_seqlens_q must be int32 [B + 1] = [", B + 1, "], got ", cu.scalar_type(), " ", cu.sizes());
+  FAIL_UNLESS(pl.scalar_type() == at::kInt && pl.dim() == 1 && pl.size(0) == B,
+              "prefix_lens must be int32 [B] = [", B, "], got ", pl.scalar_type(), " ", pl.sizes());
   if (tm) {
-    CHECK_ARG(tm->scalar_type() == at::kInt && tm->dim() == 2 && tm->size(0) == q.size(0),
-              "tree_mask must be int32 [T=", q.size(0), ", W], got ", tm->scalar_type(), " ", tm->sizes());
+    FAIL_UNLESS(tm->scalar_type() == at::kInt && tm->dim() == 2 && tm->size(0) == q.size(0),
+                "tree_mask must be int32 [T=", q.size(0), ", W], got ", tm->scalar_type(), " ", tm->sizes());
+    FAIL_UNLESS(tm->device().is_cpu(), "all tensors must be on the CPU for this kernel, got ", tm->device());
   }
   for (const at::Tensor* t : {&q, &kc, &vc, &bt, &cu, &pl}) {
-    CHECK_ARG(t->device().is_cpu(), "all tensors must be on the CPU for this kernel, got ", t->device());
+    FAIL_UNLESS(t->device().is_cpu(), "all tensors must be on the CPU for this kernel, got ", t->device());
   }
-  CHECK_ARG(kc.is_contiguous() && vc.is_contiguous(), "k_cache and v_cache must be contiguous");
-  return Layout{q.size(0), q.size(1), kc.size(2), q.size(2), q.size(1) / kc.size(2), kc.size(1), bt.size(1),
-                tm ? tm->size(1) : 0, 0.f};
+  FAIL_UNLESS(kc.is_contiguous() && vc.is_contiguous(), "k_cache and v_cache must be contiguous");
+  L = Layout{q.size(0), q.size(1), kc.size(2), q.size(2), q.size(1) / kc.size(2), kc.size(1), bt.size(1),
+             tm ? tm->size(1) : 0, 0.f};
+  return {};
 }
 
-void check_values(const int32_t* cu, const int32_t* prefix, const int32_t* tables, int64_t B,
-                  int64_t num_blocks, const Layout& L) {
-  CHECK_ARG(cu[0] == 0 && cu[B] == L.T, "cu_seqlens_q must run from 0 to T=", L.T, ", got ", cu[0], "..", cu[B]);
+// The values a wrong table would turn into out-of-bounds reads: cu_seqlens, prefix lengths and every
+// block id in use.
+std::string value_error(const int32_t* cu, const int32_t* prefix, const int32_t* tables, int64_t B,
+                        int64_t num_blocks, const Layout& L) {
+  FAIL_UNLESS(cu[0] == 0 && cu[B] == L.T, "cu_seqlens_q must run from 0 to T=", L.T, ", got ", cu[0], "..", cu[B]);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = cu[b + 1] - cu[b], len = prefix[b] + n;
-    CHECK_ARG(n >= 0 && prefix[b] >= 0, "sequence ", b, " has ", n, " new and ", prefix[b], " cached tokens");
-    CHECK_ARG(len <= L.max_blocks * L.block_size, "sequence ", b, " spans ", len, " tokens but its table holds ",
-              L.max_blocks * L.block_size);
-    CHECK_ARG(!L.mask_words || n <= 32 * L.mask_words, "sequence ", b, " has ", n,
-              " new tokens but tree_mask rows hold ", 32 * L.mask_words, " bits");
+    FAIL_UNLESS(n >= 0 && prefix[b] >= 0, "sequence ", b, " has ", n, " new and ", prefix[b], " cached tokens");
+    FAIL_UNLESS(len <= L.max_blocks * L.block_size, "sequence ", b, " spans ", len,
+                " tokens but its table holds ", L.max_blocks * L.block_size);
+    FAIL_UNLESS(!L.mask_words || n <= 32 * L.mask_words, "sequence ", b, " has ", n,
+                " new tokens but tree_mask rows hold ", 32 * L.mask_words, " bits");
     for (int64_t k = 0; k < (len + L.block_size - 1) / L.block_size; ++k) {
       const int32_t id = tables[b * L.max_blocks + k];
-      CHECK_ARG(id >= 0 && id < num_blocks, "block_tables[", b, ", ", k, "] = ", id, " is not a block of the cache");
+      FAIL_UNLESS(id >= 0 && id < num_blocks, "block_tables[", b, ", ", k, "] = ", id,
+                  " is not a block of the cache");
     }
   }
+  return {};
+}
+
+#undef FAIL_UNLESS
+
+// All checks of paged_attention_cpu; "" when it may run.
+std::string paged_attention_errors_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& block_tables, const at::Tensor& cu,
+                                       const at::Tensor& prefix, const c10::optional<at::Tensor>& tree_mask) {
+  Layout L{};
+  std::string err = arg_error(q, k_cache, v_cache, block_tables, cu, prefix, tree_mask, L);
+  if (!err.empty()) return err;
+  const at::Tensor bt = block_tables.contiguous(), cu_t = cu.contiguous(), pl_t = prefix.contiguous();
+  return value_error(cu_t.data_ptr<int32_t>(), pl_t.data_ptr<int32_t>(), bt.data_ptr<int32_t>(), bt.size(0),
+                     k_cache.size(0), L);
 }
 
 at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& block_tables_in, const at::Tensor& cu_in,
                                const at::Tensor& prefix_in, const c10::optional<at::Tensor>& tree_mask_in,
                                c10::optional<double> scale) {
-  Layout L = check_args(q_in, k_cache, v_cache, block_tables_in, cu_in, prefix_in, tree_mask_in);
+  Layout L{};
+  const std::string arg_err = arg_error(q_in, k_cache, v_cache, block_tables_in, cu_in, prefix_in, tree_mask_in, L);
+  TORCH_CHECK_VALUE(arg_err.empty(), arg_err);
   L.scale = scale ? static_cast<float>(*scale) : 1.f / std::sqrt(static_cast<float>(L.D));
   const at::Tensor q = q_in.contiguous(), bt = block_tables_in.contiguous(), cu_t = cu_in.contiguous(),
                    pl_t = prefix_in.contiguous();
   const at::Tensor tm = tree_mask_in ? tree_mask_in->contiguous() : at::Tensor();
   const int64_t B = bt.size(0);
   const int32_t *cu = cu_t.data_ptr<int32_t>(), *prefix = pl_t.data_ptr<int32_t>(), *tables = bt.data_ptr<int32_t>();
-  check_values(cu, prefix, tables, B, k_cache.size(0), L);
+  const std::string value_err = value_error(cu, prefix, tables, B, k_cache.size(0), L);
+  TORCH_CHECK_VALUE(value_err.empty(), value_err);
   std::vector<int64_t> seq_of(L.T);
   for (int64_t b = 0; b < B; ++b) std::fill(seq_of.begin() + cu[b], seq_of.begin() + cu[b + 1], b);
   at::Tensor out = at::empty_like(q);
   const int32_t* mask = tm.defined() ? tm.data_ptr<int32_t>() : nullptr;
-  switch (q.scalar_type()) {  // the three dtypes check_args admits
+  switch (q.scalar_type()) {  // the three dtypes arg_error admits
     case at::kFloat: run<float>(q, k_cache, v_cache, tables, seq_of, cu, prefix, mask, L, B, out); break;
     case at::kBFloat16: run<c10::BFloat16>(q, k_cache, v_cache, tables, seq_of, cu, prefix, mask, L, B, out); break;
     default: run<c10::Half>(q, k_cache, v_cache, tables, seq_of, cu, prefix, mask, L, B, out);
@@ -404,8 +431,15 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seqlens_q,"
         " Tensor prefix_lens, Tensor? tree_mask=None, float? scale=None) -> Tensor");
+  m.def("paged_attention_errors(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables,"
+        " Tensor cu_seqlens_q, Tensor prefix_lens, Tensor? tree_mask=None) -> str");
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {
   m.impl("paged_attention", &paged_attention_cpu);
+}
+
+// Every backend: the check reads values only after it has seen that all tensors are on the CPU.
+TORCH_LIBRARY_IMPL(eagle, CompositeImplicitAutograd, m) {
+  m.impl("paged_attention_errors", &paged_attention_errors_cpu);
 }

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <string>
 
 #include "cpu_vec.h"
 
@@ -180,6 +181,21 @@ at::Tensor rope_write_kv_cpu(const at::Tensor& qkv_in, const at::Tensor& cos_in,
   return q;
 }
 
+// "" when every entry of the int32/int64 CPU vector `index` lies in [0, limit), else the first that does
+// not (as "<name>[i] = v is outside the cache's <limit> slots"); never throws.
+std::string index_errors(const at::Tensor& index, int64_t limit, c10::string_view name) {
+  const auto dt = index.scalar_type();
+  if (index.dim() != 1 || !index.is_cpu() || (dt != at::kLong && dt != at::kInt)) {
+    return c10::str(name, " must be an int64 or int32 CPU vector");
+  }
+  const at::Tensor idx = index.to(at::kLong).contiguous();
+  const int64_t* p = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < idx.numel(); ++i) {
+    if (p[i] < 0 || p[i] >= limit) return c10::str(name, "[", i, "] = ", p[i], " is outside the cache's ", limit, " slots");
+  }
+  return {};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
@@ -187,10 +203,16 @@ TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rope_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache,"
         " Tensor slot_mapping, int num_q_heads) -> Tensor");
+  m.def("index_errors(Tensor index, int limit, str name) -> str");
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {
   m.impl("rms_norm", &rms_norm_cpu);
   m.impl("silu_and_mul", &silu_and_mul_cpu);
   m.impl("rope_write_kv", &rope_write_kv_cpu);
+}
+
+// Every backend: values are read only from a CPU tensor.
+TORCH_LIBRARY_IMPL(eagle, CompositeImplicitAutograd, m) {
+  m.impl("index_errors", &index_errors);
 }

@@ -4,8 +4,10 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(eagle, m) {
-  // -> (mask, depths, retrieve, num_leaves, first_child, next_sibling), see DESIGN.md.
-  m.def("build_tree(Tensor parents, Tensor sizes) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // -> (mask, depths), see DESIGN.md.
+  m.def("build_tree(Tensor parents, Tensor sizes) -> (Tensor, Tensor)");
+  // CPU value checks that never throw: "" or the first problem (the launchers raise it as ValueError).
+  m.def("tree_errors(Tensor parents, Tensor sizes, Tensor? tokens=None, int vocab=0) -> str");
   // -> (accept_path, accept_len, next_token).
   m.def("tree_accept_greedy(Tensor parents, Tensor tokens, Tensor sizes, Tensor target_argmax)"
         " -> (Tensor, Tensor, Tensor)");

@@ -1,5 +1,5 @@
 // Tree acceptance on CPU (DESIGN.md, "tree_accept_greedy" / "tree_accept_sample"). The fp32
-// arithmetic follows cdf_order.h step for step; the CUDA and Triton versions reproduce it exactly.
+// arithmetic follows cdf_order.h step for step; the Triton kernels (CUDA) reproduce it exactly.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -171,17 +171,6 @@ void accept_greedy_one(const int32_t* parents, const int64_t* tokens, int32_t n,
   *next = argmax[cur];
 }
 
-void check_token_values(const int64_t* tokens, const int32_t* sizes, int64_t B, int64_t N,
-                        int64_t V) {
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t i = 1; i < sizes[b]; ++i) {
-      const int64_t x = tokens[b * N + i];
-      TORCH_CHECK_VALUE(x >= 0 && x < V, "tokens[", b, ", ", i, "] = ", x,
-                        " is outside the vocabulary [0, ", V, ")");
-    }
-  }
-}
-
 using AcceptResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
 AcceptResult alloc_result(const at::Tensor& parents) {
@@ -223,7 +212,8 @@ AcceptResult tree_accept_sample_cpu(const at::Tensor& parents_in, const at::Tens
   const at::Tensor uniforms = uniforms_in.contiguous();
   const at::Tensor draft = draft_in ? draft_in->contiguous() : at::Tensor();
   check_tree_values(parents.data_ptr<int32_t>(), sizes.data_ptr<int32_t>(), B, N);
-  check_token_values(tokens.data_ptr<int64_t>(), sizes.data_ptr<int32_t>(), B, N, V);
+  const std::string err = token_value_error(tokens.data_ptr<int64_t>(), sizes.data_ptr<int32_t>(), B, N, V);
+  TORCH_CHECK_VALUE(err.empty(), err);
 
   auto [path, len, next] = alloc_result(parents);
   // Requests are independent; small vocabularies batch many per task.

@@ -16,8 +16,7 @@ _CPU_OP = has_kernel("linear_bf16", torch.device("cpu"))  # looked up once: the 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., K], weight: [N, K] -> [..., N]; F.linear's contract."""
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if weight.dtype != torch.bfloat16 or x.is_cuda or bias is not None or needs_grad:
+    if not _bf16_cpu_args(x, weight, bias):
         return F.linear(x, weight, bias)
     if x.numel() <= MAX_ROWS * x.shape[-1] and _CPU_OP and weight.is_contiguous():
         rows = x.reshape(-1, x.shape[-1])
@@ -25,3 +24,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # Prefill-sized batches: widening the weight once is cheap next to the GEMM, and fp32 GEMM is
     # ~8x faster than torch's bf16 GEMM on these CPUs (fp32 accumulation either way).
     return F.linear(x.float(), weight.float()).to(x.dtype)
+
+
+def _bf16_cpu_args(x, weight, bias) -> bool:
+    """Whether x, weight fit eagle::linear_bf16 and the fp32 fallback: a bf16 [N, K] weight and a bf16 or
+    fp32 x [..., K], both CPU tensors, no bias or gradient. Anything else goes to F.linear, whose own
+    checks raise on bad arguments."""
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)) or bias is not None:
+        return False
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if x.device.type != "cpu" or weight.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))

@@ -1,15 +1,15 @@
 """Batched tree acceptance: greedy and rejection sampling over draft trees (DESIGN.md).
 
-Implementations: the C++ op `eagle::tree_accept_*` (CPU, and CUDA in CUDA builds; one block per
-request) and the Triton kernels below (CUDA tensors; CPU tensors under TRITON_INTERPRET=1). All of them
-follow the canonical fp32 order of csrc/cdf_order.h, so the same inputs and uniforms give identical
-outputs everywhere. Randomness enters only through `uniforms`.
+One implementation per device: the Triton kernels below for CUDA tensors (and for CPU tensors inside
+`eagle_kernels.triton_on_cpu()`, under TRITON_INTERPRET=1), the C++ op `eagle::tree_accept_*` for CPU
+tensors. Both follow the canonical fp32 order of csrc/cdf_order.h, so the same inputs and uniforms give
+identical outputs. Randomness enters only through `uniforms`.
 """
 from typing import NamedTuple
 
 import torch
 
-from ._ops import check_tensor, check_tree, has_kernel, ops
+from ._ops import check_tensor, check_tree, check_tree_values, gpu_path, ops
 
 try:
     import triton
@@ -27,21 +27,20 @@ class AcceptResult(NamedTuple):
     next_token: torch.Tensor   # int64 [B]: bonus token (all accepted) or corrected token
 
 
-def tree_accept_greedy(parents, tokens, sizes, target_argmax, *, backend: str | None = None) -> AcceptResult:
+def tree_accept_greedy(parents, tokens, sizes, target_argmax) -> AcceptResult:
     """Greedy verification: descend to the first child whose token is the target argmax at its parent.
 
     parents: int32 [B, N], tokens: int64 [B, N], sizes: int32 [B], target_argmax: int64 [B, N].
-    backend: None (Triton for CUDA tensors when installed, else the C++ op), "native" or "triton".
     """
     B, N = _check_accept(parents, tokens, sizes)
     check_tensor(target_argmax, "target_argmax", torch.int64, (B, N), parents.device)
-    if _pick_backend(backend, parents.device, "tree_accept_greedy") == "native":
-        return AcceptResult(*ops().tree_accept_greedy(parents, tokens, sizes, target_argmax))
-    return _greedy_triton(parents, tokens, sizes, target_argmax)
+    if _on_triton(parents):
+        return _greedy_triton(parents, tokens, sizes, target_argmax)
+    check_tree_values(parents, sizes)
+    return AcceptResult(*ops().tree_accept_greedy(parents, tokens, sizes, target_argmax))
 
 
-def tree_accept_sample(parents, tokens, sizes, target_probs, uniforms, draft_probs=None, *,
-                       backend: str | None = None) -> AcceptResult:
+def tree_accept_sample(parents, tokens, sizes, target_probs, uniforms, draft_probs=None) -> AcceptResult:
     """Lossless rejection sampling of a draft tree against the target distributions.
 
     target_probs: fp32 [B, N, V], the target's next-token distribution at each node; uniforms: fp32
@@ -50,6 +49,8 @@ def tree_accept_sample(parents, tokens, sizes, target_probs, uniforms, draft_pro
     iff u < p(x) / sum(p), a rejected x is removed from p. draft_probs fp32 [B, N, V] (chains sampled from
     q, draft_probs[b, c] = q at c's parent): only the first child of a node is tried, accepted iff
     u < p(x) / q(x), else the final token comes from norm(max(0, p - q)).
+    CPU tensors are validated in full (ValueError on a malformed tree or a token outside the vocabulary);
+    the Triton kernels stay memory-safe on such values instead (an out-of-vocabulary draft is rejected).
     """
     B, N = _check_accept(parents, tokens, sizes)
     check_tensor(target_probs, "target_probs", torch.float32, (B, N, None), parents.device)
@@ -59,10 +60,10 @@ def tree_accept_sample(parents, tokens, sizes, target_probs, uniforms, draft_pro
     check_tensor(uniforms, "uniforms", torch.float32, (B, N + 1), parents.device)
     if draft_probs is not None:
         check_tensor(draft_probs, "draft_probs", torch.float32, (B, N, V), parents.device)
-    if _pick_backend(backend, parents.device, "tree_accept_sample") == "native":
-        return AcceptResult(*ops().tree_accept_sample(parents, tokens, sizes, target_probs, uniforms,
-                                                      draft_probs))
-    return _sample_triton(parents, tokens, sizes, target_probs, uniforms, draft_probs)
+    if _on_triton(parents):
+        return _sample_triton(parents, tokens, sizes, target_probs, uniforms, draft_probs)
+    check_tree_values(parents, sizes, tokens, V)
+    return AcceptResult(*ops().tree_accept_sample(parents, tokens, sizes, target_probs, uniforms, draft_probs))
 
 
 def _check_accept(parents, tokens, sizes) -> tuple[int, int]:
@@ -71,20 +72,18 @@ def _check_accept(parents, tokens, sizes) -> tuple[int, int]:
     return B, N
 
 
-def _pick_backend(backend, device: torch.device, op: str) -> str:
-    if backend is None:
-        backend = "triton" if device.type == "cuda" and triton is not None else "native"
-    if backend == "native":
-        if device.type != "cpu" and not has_kernel(op, device):
-            raise ValueError(f"eagle_kernels._C has no {device.type} kernel for {op} (built without CUDA?)")
-        return backend
-    if backend != "triton":
-        raise ValueError(f"backend must be None, 'native' or 'triton', got {backend!r}")
+def _on_triton(parents) -> bool:
+    """True for the Triton kernels (gpu_path), False for the C++ op (CPU tensors); ValueError if the
+    chosen implementation cannot run."""
+    if not gpu_path(parents):
+        if parents.device.type != "cpu":
+            raise ValueError(f"tree acceptance supports CPU and CUDA tensors, got {parents.device}")
+        return False
     if triton is None:
-        raise ValueError("backend='triton' needs Triton installed")
-    if device.type != "cuda" and not _interpreting():
-        raise ValueError(f"the Triton path needs CUDA tensors (or TRITON_INTERPRET=1), got {device}")
-    return backend
+        raise ValueError(f"tree acceptance on {parents.device.type} tensors needs Triton installed")
+    if not parents.is_cuda and not _interpreting():
+        raise ValueError("triton_on_cpu() needs TRITON_INTERPRET=1 set before Triton is imported")
+    return True
 
 
 def _interpreting() -> bool:

@@ -42,15 +42,11 @@ def children(parents: list[int], n: int, node: int) -> list[int]:
 
 # ----------------------------------------------------------------------------------------- build_tree
 def ref_build_tree(parents: torch.Tensor, sizes: torch.Tensor):
-    """-> (mask, depths, retrieve, num_leaves, first_child, next_sibling) as DESIGN.md defines them."""
+    """-> (mask, depths) as DESIGN.md defines them."""
     B, N = parents.shape
     W = (N + 31) // 32
     mask = torch.zeros(B, N, W, dtype=torch.int64)
     depths = torch.zeros(B, N, dtype=torch.int32)
-    retrieve = torch.full((B, N, N), -1, dtype=torch.int32)
-    num_leaves = torch.zeros(B, dtype=torch.int32)
-    first_child = torch.full((B, N), -1, dtype=torch.int32)
-    next_sibling = torch.full((B, N), -1, dtype=torch.int32)
     for b in range(B):
         par, n = parents[b].tolist(), int(sizes[b])
         for i in range(n):
@@ -58,19 +54,8 @@ def ref_build_tree(parents: torch.Tensor, sizes: torch.Tensor):
             for j in path:
                 mask[b, i, j // 32] |= 1 << (j % 32)
             depths[b, i] = len(path) - 1
-            kids = children(par, n, i)
-            first_child[b, i] = kids[0] if kids else -1
-            if i > 0:
-                sibs = children(par, n, par[i])
-                pos = sibs.index(i)
-                next_sibling[b, i] = sibs[pos + 1] if pos + 1 < len(sibs) else -1
-        leaves = [i for i in range(n) if not children(par, n, i)]
-        num_leaves[b] = len(leaves)
-        for k, leaf in enumerate(leaves):
-            path = ancestors_and_self(par, leaf)[::-1]
-            retrieve[b, k, :len(path)] = torch.tensor(path, dtype=torch.int32)
     mask = torch.where(mask >= 2 ** 31, mask - 2 ** 32, mask).to(torch.int32)  # two's complement words
-    return mask, depths, retrieve, num_leaves, first_child, next_sibling
+    return mask, depths
 
 
 def ancestors_and_self(parents: list[int], node: int) -> list[int]:

@@ -1,9 +1,9 @@
 """tree_accept_greedy / tree_accept_sample: every implementation against the naive reference (bit-exact),
 chi-square checks that sampling is lossless, and argument errors.
 
-The Triton kernels run under the interpreter on CPU. TRITON_INTERPRET must be set before Triton decorates
-them, so that comparison runs this file as a script in a child process: `python tests/test_rejection.py
-triton` (TRITON_INTERPRET=1).
+The Triton kernels (the CUDA implementation) run on CPU tensors inside `eagle_kernels.triton_on_cpu()`, under
+the interpreter. TRITON_INTERPRET must be set before Triton decorates them, so that comparison runs this file
+as a script in a child process: `python tests/test_rejection.py triton` (TRITON_INTERPRET=1).
 """
 import os
 import subprocess
@@ -15,8 +15,7 @@ import torch
 from scipy import stats
 
 import eagle_kernels.rejection as rejection
-from eagle_kernels import tree_accept_greedy, tree_accept_sample
-from eagle_kernels._ops import has_kernel
+from eagle_kernels import tree_accept_greedy, tree_accept_sample, triton_on_cpu
 from kernel_refs_tree import batch_trees, random_bfs_parents, ref_tree_accept_greedy, ref_tree_accept_sample
 
 CUDA = torch.cuda.is_available()
@@ -123,7 +122,8 @@ def test_sampling_with_one_hot_targets_is_greedy():
 
 
 def test_triton_interpreter_matches_reference():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's eagle_kernels
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     child = subprocess.run([sys.executable, __file__, "triton"], env=env, capture_output=True, text=True,
                            timeout=600)
     assert child.returncode == 0, child.stdout + child.stderr
@@ -132,37 +132,38 @@ def test_triton_interpreter_matches_reference():
 def _triton_interpreter_check():
     """Child process (TRITON_INTERPRET=1): Triton kernels vs the reference; exit status 1 on a mismatch."""
     failures = []
-    for B, N, V in TRITON_GRID:
-        case = make_case(B, N, V, seed=B + 10 * N + V)
-        args = greedy_args(case)
-        failures.append(("greedy", B, N, V, mismatch(tree_accept_greedy(**args, backend="triton"),
-                                                     ref_tree_accept_greedy(**args))))
-        for with_draft in (False, True):
-            args = sample_args(case, with_draft)
-            failures.append(("sample", with_draft, B, N, V, mismatch(
-                tree_accept_sample(**args, backend="triton"), ref_tree_accept_sample(**args))))
-    for case in edge_uniform_cases():
-        for with_draft in (False, True):
-            args = sample_args(case, with_draft)
-            failures.append(("edge-uniforms", with_draft, mismatch(tree_accept_sample(**args, backend="triton"),
-                                                                    ref_tree_accept_sample(**args))))
+    with triton_on_cpu():
+        for B, N, V in TRITON_GRID:
+            case = make_case(B, N, V, seed=B + 10 * N + V)
+            args = greedy_args(case)
+            failures.append(("greedy", B, N, V, mismatch(tree_accept_greedy(**args), ref_tree_accept_greedy(**args))))
+            for with_draft in (False, True):
+                args = sample_args(case, with_draft)
+                failures.append(("sample", with_draft, B, N, V, mismatch(tree_accept_sample(**args),
+                                                                         ref_tree_accept_sample(**args))))
+        for case in edge_uniform_cases():
+            for with_draft in (False, True):
+                args = sample_args(case, with_draft)
+                failures.append(("edge-uniforms", with_draft, mismatch(tree_accept_sample(**args),
+                                                                        ref_tree_accept_sample(**args))))
+        # Triton reads out-of-vocabulary drafts as rejections where the C++ op raises: this ran Triton.
+        args = sample_args(make_case(2, 4, 8, seed=0), with_draft=False)
+        out = tree_accept_sample(**{**args, "tokens": args["tokens"].clone().fill_(8)})
+        failures.append(("triton_on_cpu runs Triton", None if out.accept_len.tolist() == [0, 0] else out))
     failures = [f for f in failures if f[-1] is not None]
     print("\n".join(map(str, failures)) or f"Triton matches the reference on {TRITON_GRID} and edge uniforms")
     sys.exit(1 if failures else 0)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("backend", ["native", "triton"])
 @pytest.mark.parametrize("B,N,V", [(1, 1, 8), (4, 64, 300), (8, 64, 32000)])
-def test_cuda_matches_cpu(backend, B, N, V):
-    if backend == "native" and not has_kernel("tree_accept_sample", torch.device("cuda")):
-        pytest.skip("eagle_kernels._C was built without CUDA")
+def test_cuda_matches_cpu(B, N, V):
+    """CUDA tensors take the Triton kernels, CPU tensors the C++ op: identical outputs."""
     case = make_case(B, N, V, seed=B + N + V)
     on_gpu = {k: v.cuda() for k, v in case.items()}
-    assert mismatch(tree_accept_greedy(**greedy_args(on_gpu), backend=backend),
-                    tree_accept_greedy(**greedy_args(case))) is None
+    assert mismatch(tree_accept_greedy(**greedy_args(on_gpu)), tree_accept_greedy(**greedy_args(case))) is None
     for with_draft in (False, True):
-        got = tree_accept_sample(**sample_args(on_gpu, with_draft), backend=backend)
+        got = tree_accept_sample(**sample_args(on_gpu, with_draft))
         assert got.next_token.is_cuda
         assert mismatch(got, tree_accept_sample(**sample_args(case, with_draft))) is None
 
@@ -281,16 +282,18 @@ def test_bad_arguments_raise_value_error():
         r"draft_probs must have shape \[2, 4, 8\]": dict(draft_probs=args["target_probs"][..., :7]),
         "outside the vocabulary": dict(tokens=args["tokens"].clone().fill_(8)),
         "breaks BFS order": dict(parents=torch.tensor([[-1, 0, 3, 1]] * 2, dtype=torch.int32)),
-        "backend must be": dict(backend="cuda"),
+        r"sizes\[1\] = 0 is outside": dict(sizes=torch.tensor([4, 0], dtype=torch.int32)),
     }
     for message, change in bad.items():
         with pytest.raises(ValueError, match=message):
             tree_accept_sample(**{**args, **change})
     with pytest.raises(ValueError, match="target_argmax must be torch.int64"):
         tree_accept_greedy(args["parents"], args["tokens"], args["sizes"], args["tokens"].int())
+    with pytest.raises(TypeError):
+        tree_accept_sample(**args, backend="triton")  # one implementation per device: no backend choice
     if not rejection._interpreting():
-        with pytest.raises(ValueError, match="needs CUDA tensors"):
-            tree_accept_sample(**args, backend="triton")
+        with triton_on_cpu(), pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            tree_accept_sample(**args)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["triton"]:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from eagle_kernels import TreeIndex, build_tree
+from eagle_kernels import TreeIndex, build_tree, triton_on_cpu
 from kernel_refs_tree import batch_trees, chain_parents, random_bfs_parents, ref_build_tree
 
 CUDA = torch.cuda.is_available()
@@ -22,6 +22,7 @@ def make_trees(B: int, N: int, shape: str, seed: int) -> tuple[torch.Tensor, tor
 
 
 def assert_tree_equal(out: TreeIndex, ref):
+    assert TreeIndex._fields == ("mask", "depths") and len(out) == len(ref) == 2
     for name, got, want in zip(TreeIndex._fields, out, ref):
         assert got.dtype == torch.int32, name
         assert torch.equal(got.cpu(), want), f"{name} differs from the reference"
@@ -33,7 +34,7 @@ def assert_tree_equal(out: TreeIndex, ref):
 def test_cpu_matches_reference(B, N, shape):
     parents, sizes = make_trees(B, N, shape, seed=B * 100 + N)
     out = build_tree(parents, sizes)
-    assert out.mask.shape == (B, N, (N + 31) // 32) and out.retrieve.shape == (B, N, N)
+    assert out.mask.shape == (B, N, (N + 31) // 32) and out.depths.shape == (B, N)
     assert_tree_equal(out, ref_build_tree(parents, sizes))
 
 
@@ -45,15 +46,19 @@ def test_mask_high_bit_is_negative_int32():
     assert mask[0, 30, 0].item() == 2 ** 31 - 1
 
 
-def test_retrieve_lists_leaves_in_index_order():
+def test_small_tree_and_padding():
     parents, sizes = batch_trees([[-1, 0, 0, 1, 1, 2]], 8)
     out = build_tree(parents, sizes)
-    assert out.num_leaves.tolist() == [3]
-    assert out.retrieve[0, :4].tolist() == [
-        [0, 1, 3, -1, -1, -1, -1, -1], [0, 1, 4, -1, -1, -1, -1, -1], [0, 2, 5, -1, -1, -1, -1, -1],
-        [-1] * 8]
-    assert out.first_child[0].tolist() == [1, 3, 5, -1, -1, -1, -1, -1]
-    assert out.next_sibling[0].tolist() == [-1, 2, -1, 4, -1, -1, -1, -1]
+    assert out.mask[0, :, 0].tolist() == [0b1, 0b11, 0b101, 0b1011, 0b10011, 0b100101, 0, 0]
+    assert out.depths[0].tolist() == [0, 1, 1, 2, 2, 2, 0, 0]
+
+
+def test_triton_on_cpu_keeps_the_cpp_op():
+    parents, sizes = make_trees(4, 33, "random2", seed=5)
+    with triton_on_cpu():
+        assert_tree_equal(build_tree(parents, sizes), ref_build_tree(parents, sizes))
+        with pytest.raises(ValueError, match="breaks BFS order"):
+            build_tree(torch.tensor([[-1, 0, 2]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32))
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
