@@ -17,7 +17,7 @@ try:
 except ImportError:  # CPU-only installs: the torch path serves every device
     triton = None
 
-from ._ops import has_kernel, ops
+from ._ops import gpu_path, has_kernel, ops
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _CPU_KERNEL = has_kernel("paged_attention", torch.device("cpu"))
@@ -58,13 +58,19 @@ def _check_paged_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_le
     return b
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask=None, scale=None):
-    """q: [T, Hq, D] packed new tokens -> [T, Hq, D]; see DESIGN.md for the masking rule."""
-    if q.device.type == "cpu" and _CPU_KERNEL and _cpu_kernel_wins(q, cu_seqlens_q, prefix_lens):
+def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask=None, scale=None, *,
+                    max_seqlen_q=None):
+    """q: [T, Hq, D] packed new tokens -> [T, Hq, D]; see DESIGN.md for the masking rule.
+
+    max_seqlen_q: host-known bound on any sequence's new tokens; on the CPU it picks the kernel without reading
+    cu_seqlens_q (None: read it). Triton (CUDA tensors, CPU ones inside triton_on_cpu()) and the C++ kernel
+    make no host reads; the torch path reads the lengths."""
+    if gpu_path(q) and triton is not None:
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
+    if q.device.type == "cpu" and _CPU_KERNEL and _cpu_kernel_wins(cu_seqlens_q, max_seqlen_q):
         # the C++ op checks its arguments itself, with the messages below
         return ops().paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
-    impl = paged_attention_triton if q.is_cuda and triton is not None else paged_attention_torch
-    return impl(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
+    return paged_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
 
 
 # The C++ kernel streams every visible key once per (query token, kv head); SDPA's GEMMs beat it once a
@@ -76,8 +82,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens
 _CPU_MAX_NEW_TOKENS = 32
 
 
-def _cpu_kernel_wins(q, cu_seqlens_q, prefix_lens) -> bool:
+def _cpu_kernel_wins(cu_seqlens_q, max_seqlen_q) -> bool:
     """Malformed metadata goes to the C++ kernel too, whose checks name the problem."""
+    if max_seqlen_q is not None:
+        return max_seqlen_q <= _CPU_MAX_NEW_TOKENS
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 2:
         return True
     cu = cu_seqlens_q.tolist()
@@ -188,7 +196,7 @@ def _decode_batched(q, k_cache, v_cache, block_tables, prefixes, scale):
 # tokens (causal or ancestor bits). Ancestors precede their descendants in BFS order, so both rules only ever
 # admit new keys j <= i and the second loop stops at the tile's last query: mask work is O(n^2), independent
 # of the context length.
-# When those programs cannot fill the GPU (small-batch decode, one tree), the prefix is split into
+# When those programs cannot fill the GPU (small-batch decode, one tree), each sequence's prefix is split into
 # NUM_SPLITS key ranges (flash-decoding): each split writes an unnormalised partial (m, l, acc) and a
 # second kernel merges the partials; the last split also owns the new-token keys.
 
@@ -216,7 +224,7 @@ if triton is not None:
     @triton.jit
     def _paged_attention_kernel(
             q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, prefix_ptr, mask_ptr, part_ptr, ml_ptr,
-            s_qt, s_qh, s_blk, s_off, s_head, s_bt, s_mask, qk_scale, split_len, num_q_heads,
+            s_qt, s_qh, s_blk, s_off, s_head, s_bt, s_mask, qk_scale, min_split_len, num_q_heads,
             G: tl.constexpr, G_PAD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
             TREE: tl.constexpr, DOT_PREC: tl.constexpr, NUM_SPLITS: tl.constexpr):
@@ -246,7 +254,9 @@ if triton is not None:
         acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
         offs_n = tl.arange(0, BLOCK_N)
 
-        # Cached prefix keys [lo, hi) of this split: every query sees every prefix key.
+        # Cached prefix keys [lo, hi) of this split (the prefix cut into NUM_SPLITS even, BLOCK_N-aligned
+        # ranges of at least min_split_len keys): every query sees every prefix key.
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N, min_split_len)
         lo = split * split_len
         hi = tl.minimum(prefix, lo + split_len)
         for start in range(lo, hi, BLOCK_N):
@@ -336,24 +346,26 @@ def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _split_plan(q, programs, max_ctx, block_n, num_splits):
-    """(splits, keys per split, a multiple of block_n). max_ctx = what the block table can address: a bound
-    known without reading prefix_lens on the host. Splits past a sequence's prefix find no keys."""
-    if num_splits is None:
-        num_splits = 1
-        if q.is_cuda:
-            num_splits = min(_MAX_SPLITS, triton.cdiv(2 * _sm_count(q.device.index or 0), programs),
-                             triton.cdiv(max_ctx, _MIN_SPLIT_KEYS))
-    if num_splits <= 1:
-        return 1, 2**30  # one range covering any prefix
-    split_len = triton.cdiv(triton.cdiv(max_ctx, num_splits), block_n) * block_n
-    return triton.cdiv(max_ctx, split_len), split_len
+def _split_plan(sm_count, programs, max_ctx, block_n, num_splits):
+    """(NUM_SPLITS, min keys per split). The kernel cuts each sequence's own prefix into NUM_SPLITS even
+    ranges, so the host only picks the count, without reading prefix_lens: by occupancy and by max_ctx (what
+    the block table can address) rounded up to a power of two, then rounded down to a power of two itself. It
+    takes at most log2(_MAX_SPLITS) + 1 values over any run, so the kernel compiles a handful of times however
+    the block tables grow. sm_count: None off CUDA (no split). num_splits: forced (ranges of >= block_n keys)."""
+    if num_splits is not None:
+        return max(1, num_splits), block_n
+    if not sm_count:
+        return 1, _MIN_SPLIT_KEYS
+    bound = triton.next_power_of_2(max(max_ctx, 1))
+    n = min(_MAX_SPLITS, triton.cdiv(2 * sm_count, programs), max(1, bound // _MIN_SPLIT_KEYS))
+    return 1 << (n.bit_length() - 1), _MIN_SPLIT_KEYS
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask=None,
                            scale=None, *, num_splits=None):
-    """The Triton kernel behind paged_attention for CUDA tensors; same contract, no host sync. One launch, or
-    two when the prefix is split across programs (num_splits: None = by occupancy, 1 = never)."""
+    """The Triton kernel behind paged_attention for CUDA tensors; same contract, no host reads. One launch, or
+    two when the prefix is split across programs (num_splits: None = by occupancy, 1 = never; see
+    _split_plan)."""
     b = _check_paged_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask)
     _check_triton_args((q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask),
                        ("q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "prefix_lens", "tree_mask"))
@@ -373,7 +385,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, pref
     block_d = max(16, triton.next_power_of_2(d))
     block_n = 64 if block_d <= 64 else 32
     programs = b * hkv * triton.cdiv(triton.cdiv(t, b), block_m)
-    splits, split_len = _split_plan(q, programs, block_tables.shape[1] * bs, block_n, num_splits)
+    sm_count = _sm_count(q.device.index or 0) if q.is_cuda else None
+    splits, min_split_len = _split_plan(sm_count, programs, block_tables.shape[1] * bs, block_n, num_splits)
     part = ml = out  # unused placeholders when not splitting
     if splits > 1:
         part = torch.empty(t, hq, splits, d, dtype=torch.float32, device=q.device)
@@ -382,7 +395,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, pref
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, prefix_lens,
         tree_mask if tree_mask is not None else cu_seqlens_q, part, ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        tree_mask.stride(0) if tree_mask is not None else 0, scale * 1.4426950408889634, split_len, hq,
+        tree_mask.stride(0) if tree_mask is not None else 0, scale * 1.4426950408889634, min_split_len, hq,
         G=g, G_PAD=g_pad, BS=bs, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         # fp32 must not be rounded to tf32 (the 1e-5 contract); the setting is inert for 16-bit inputs.
         TREE=tree_mask is not None, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", NUM_SPLITS=splits,

@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from ._ops import gpu_path
+
 try:
     import triton
     import triton.language as tl
@@ -57,7 +59,7 @@ def topk_expand(logits, parent_scores, k, d2t=None):
     batched = logits.dim() == 3
     if not batched:
         logits, parent_scores = logits[None], parent_scores[None]
-    run = _topk_expand_triton if logits.is_cuda and triton is not None and k <= _MAX_K else _topk_expand_torch
+    run = _topk_expand_triton if gpu_path(logits) and triton is not None and k <= _MAX_K else _topk_expand_torch
     out = run(logits, parent_scores, k, d2t)
     if not batched:
         out = [t[0] for t in out]
@@ -87,17 +89,19 @@ def _topk_expand_torch(logits, parent_scores, k, d2t):
 
 def topk_low_index_first(x, k):
     """Top-k along the last dim ordered by (value desc, index asc); of values tied at the cut the lowest
-    indices are kept."""
-    v = x.shape[-1]
-    vals, ids = torch.topk(x, min(k + 1, v), dim=-1)
-    if k < v and bool((vals[..., k] == vals[..., k - 1]).any()):
-        # The (k+1)-th value ties the k-th: only a stable full sort decides which indices are kept.
-        s = torch.sort(x, dim=-1, descending=True, stable=True)
-        return s.values[..., :k], s.indices[..., :k]
-    vals, ids = vals[..., :k], ids[..., :k]
+    indices are kept. No host reads and no branch: the k picked by torch.topk are put in order, and the slots
+    holding the cut value are refilled with the lowest indices holding it in the row."""
+    vals, ids = torch.topk(x, k, dim=-1)
     ids, perm = ids.sort(dim=-1)
     vals, perm = vals.gather(-1, perm).sort(dim=-1, descending=True, stable=True)
-    return vals, ids.gather(-1, perm)
+    ids = ids.gather(-1, perm)                                                  # [..., k]
+    cut = vals[..., k - 1:]
+    above = (vals > cut).sum(-1, keepdim=True, dtype=torch.int32)            # every value above the cut
+    tie_rank = (x == cut).cumsum(-1, dtype=torch.int32)                       # [..., V]
+    slot = torch.arange(k, device=x.device, dtype=torch.int32)
+    ties = torch.searchsorted(tie_rank, slot + 1 - above)                     # the (slot - above)-th tie
+    ids = torch.where(slot < above, ids, ties)
+    return x.gather(-1, ids), ids
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -4,7 +4,12 @@ Contract: DESIGN.md ("sampling_probs"). Truncation rules, applied per row:
 - top-k keeps the k most probable tokens (ties broken towards the lower token id); k <= 0 or k >= V disables it.
 - top-p then keeps, in that order, every token whose preceding cumulative probability (renormalised over what
   top-k kept) is below top_p, so the most probable token always survives; top_p >= 1 disables it.
+
+No host reads: the parameters' values are read on the host only when they are host values (numbers, lists).
 """
+import math
+import numbers
+
 import torch
 
 from .expand import topk_low_index_first
@@ -16,74 +21,163 @@ def _fail(msg):
     raise ValueError(f"sampling_probs: {msg}")
 
 
-def _row_param(name, value, lead, dtype, device):
-    """A python scalar or a tensor whose shape is a prefix of the leading dims -> [rows] of `dtype`."""
-    t = torch.as_tensor(value, dtype=dtype, device=device)
+def _host_rows(name, value, lead):
+    """A number or (nested) lists shaped like a prefix of the leading dims -> a flat list, one value a row."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+        value = value.tolist()                                         # numpy arrays and scalars
+
+    def expand(v, dims):
+        if isinstance(v, (list, tuple)):
+            if not dims or len(v) != dims[0]:
+                _fail(f"{name} must be a scalar or shaped like a prefix of {tuple(lead)}")
+            return [x for e in v for x in expand(e, dims[1:])]
+        if not isinstance(v, numbers.Real):
+            _fail(f"{name} must be a number, a list of numbers or a tensor, got {type(v).__name__}")
+        return [v] * math.prod(dims)
+
+    return expand(value, tuple(lead))
+
+
+def _tensor_rows(name, t, lead, dtype, device):
+    """A tensor whose shape is a prefix of the leading dims -> [rows] of `dtype` (values are not read)."""
     if tuple(t.shape) != tuple(lead[: t.dim()]):
         _fail(f"{name} must be a scalar or shaped like a prefix of {tuple(lead)}, got {tuple(t.shape)}")
-    t = t.reshape(t.shape + (1,) * (len(lead) - t.dim()))
-    return t.expand(lead).reshape(-1)
+    t = t.to(device=device, dtype=dtype)
+    return t.reshape(t.shape + (1,) * (len(lead) - t.dim())).expand(lead).reshape(-1)
 
 
-def _check_params(temperature, top_p):
-    if bool((temperature <= 0).any()):
-        _fail("temperature must be > 0 (greedy rows never reach sampling_probs)")
-    if bool(((top_p <= 0) | (top_p > 1)).any()):
-        _fail("top_p must be in (0, 1]")
+def _column(values, dtype, device):
+    """Host values, one a row -> a python scalar when they agree, else a [rows, 1] tensor on device."""
+    if len(set(values)) <= 1:
+        return values[0] if values else 0
+    return _to_device(values, dtype, device)[:, None]
 
 
 def sampling_probs(logits, temperature, top_k, top_p):
-    """logits: [..., V] (fp32/bf16/fp16) -> fp32 probabilities [..., V], each row summing to 1."""
+    """logits: [..., V] (fp32/bf16/fp16) -> fp32 probabilities [..., V], each row summing to 1. No host reads.
+
+    temperature, top_k, top_p: a number, or per-row values shaped like a prefix of the leading dims. Host values
+    (numbers, nested lists) are validated and let the host pick the cheapest exact plan. Tensors are accepted
+    but not validated (that would read them; invalid values give NaN rows), and with a top_k or top_p tensor
+    every row takes a full sort.
+    """
     if logits.dim() < 1 or logits.dtype not in _FLOATS:
         _fail(f"logits must be a float tensor [..., V] of {_FLOATS}, got {logits.dtype} {tuple(logits.shape)}")
     lead, v = logits.shape[:-1], logits.shape[-1]
-    temp = _row_param("temperature", temperature, lead, torch.float32, logits.device)
-    kk = _row_param("top_k", top_k, lead, torch.int64, logits.device)
-    pp = _row_param("top_p", top_p, lead, torch.float32, logits.device)
-    _check_params(temp, pp)
-    x = logits.reshape(-1, v).float() / temp[:, None]                          # [rows, V]
-    kk = torch.where((kk <= 0) | (kk > v), v, kk)
-    probs = torch.softmax(x, dim=-1)
-    untouched = (kk >= v) & (pp >= 1)
-    if bool(untouched.all()):
-        return probs.reshape(logits.shape)
-    out = _truncate(probs, kk, pp, _window(kk, v))
-    if bool(untouched.any()):
-        out[untouched] = probs[untouched]
+    dev = logits.device
+    params = {}
+    for name, value, dtype in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int64),
+                               ("top_p", top_p, torch.float32)):
+        params[name] = (_tensor_rows(name, value, lead, dtype, dev)[:, None] if isinstance(value, torch.Tensor)
+                        else _host_rows(name, value, lead))
+    temp, ks, ps = params["temperature"], params["top_k"], params["top_p"]
+    if isinstance(temp, list):
+        if any(not t > 0 for t in temp):
+            _fail("temperature must be > 0 (greedy rows never reach sampling_probs)")
+        temp = _column(temp, torch.float32, dev)
+    if isinstance(ps, list) and any(not 0 < p <= 1 for p in ps):
+        _fail("top_p must be in (0, 1]")
+    probs = torch.softmax(logits.reshape(-1, v).float() / temp, dim=-1)          # [rows, V]
+    if isinstance(ks, list) and isinstance(ps, list):
+        out = _truncate_planned(probs, [int(k) if 0 < k < v else v for k in ks], [float(p) for p in ps])
+    else:
+        ks = _column(ks, torch.int64, dev) if isinstance(ks, list) else ks
+        out = _truncate_any(probs, ks, _column(ps, torch.float32, dev) if isinstance(ps, list) else ps)
     return out.reshape(logits.shape)
 
 
-# Rows without top-k look for their top-p cut among this many most probable tokens first and fall back to a
-# full sort only when the cut lies beyond it (rare for LM distributions): a partial top-k is far cheaper.
-_TOP_P_WINDOW = 1024
+def _truncate_planned(probs, ks, ps):
+    """Host-known per-row k (V = disabled) and p. Rows with top-k rank their c = max k most probable tokens;
+    top-p-only rows find their cut by a full sort on CUDA, by a radix select elsewhere; the rest stay."""
+    rows, v = probs.shape
+    with_k = [i for i in range(rows) if ks[i] < v]
+    p_only = [i for i in range(rows) if ks[i] >= v and ps[i] < 1]
+    parts = []
+    if with_k:
+        part = _take(probs, with_k)
+        kk = _column([ks[i] for i in with_k], torch.int64, probs.device)
+        pp = _column([ps[i] for i in with_k], torch.float32, probs.device)
+        parts.append((with_k, _truncate(part, kk, pp, max(ks[i] for i in with_k))))
+    if p_only:
+        part = _take(probs, p_only)
+        pp = _column([ps[i] for i in p_only], torch.float32, probs.device)
+        if probs.is_cuda:
+            parts.append((p_only, _truncate(part, v, pp, v)))
+        else:
+            kept = torch.where(_top_p_keep(part, pp * part.sum(-1, keepdim=True)), part, 0.0)
+            parts.append((p_only, kept / kept.sum(-1, keepdim=True)))
+    if len(parts) == 1 and len(parts[0][0]) == rows:
+        return parts[0][1]
+    out = probs.clone() if parts else probs
+    for idx, res in parts:
+        out.index_copy_(0, _to_device(idx, torch.int64, probs.device), res)
+    return out
 
 
-def _window(kk, v):
-    """Candidates to rank: the largest top-k, or the top-p window when some row has no top-k; every row's
-    top-k must fit or be disabled, else all V."""
-    kmax = int(kk.max())
-    if kmax < v:
-        return kmax
-    c = min(v, _TOP_P_WINDOW)
-    return c if bool(((kk <= c) | (kk >= v)).all()) else v
+def _to_device(values, dtype, device):
+    """A list -> a 1-D tensor on device; to CUDA through pinned memory, without waiting for the device."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+def _take(probs, idx):
+    return probs if len(idx) == probs.shape[0] else probs.index_select(0, _to_device(idx, torch.int64, probs.device))
+
+
+def _truncate_any(probs, kk, pp):
+    """Per-row parameters unknown to the host (python scalars or [rows, 1] tensors): a full sort of every row."""
+    v = probs.shape[-1]
+    kk = torch.where((kk <= 0) | (kk > v), v, kk) if isinstance(kk, torch.Tensor) else (kk if 0 < kk < v else v)
+    out = _truncate(probs, kk, pp, v)
+    untouched = (kk >= v) & (pp >= 1)
+    if isinstance(untouched, bool):
+        return probs if untouched else out
+    return torch.where(untouched, probs, out)
 
 
 def _truncate(probs, kk, pp, c):
-    """Top-k then top-p over the c most probable tokens of each row, ranked by (prob desc, id asc)."""
+    """Top-k then top-p over the c most probable tokens of each row, ranked by (prob desc, id asc); exact when
+    every row's cut lies among them (kk <= c, or c = V). kk, pp: python scalars or [rows, 1]."""
     v = probs.shape[-1]
     if c < v:
         vals, ids = topk_low_index_first(probs, c)                              # [rows, c]
     else:
         vals, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
     rank = torch.arange(c, device=probs.device)[None, :]
-    vals = torch.where(rank < kk[:, None], vals, 0.0)
+    vals = torch.where(rank < kk, vals, 0.0)
     # Top-p is relative to the mass top-k kept; rows without top-k keep all of it.
-    total = torch.where(kk >= v, probs.sum(-1), vals.sum(-1))[:, None]
+    full, top = probs.sum(-1, keepdim=True), vals.sum(-1, keepdim=True)
+    total = torch.where(kk >= v, full, top) if isinstance(kk, torch.Tensor) else (full if kk >= v else top)
     cum = torch.cumsum(vals, dim=-1)
-    keep = (cum - vals < pp[:, None] * total) & (rank < kk[:, None])            # mass strictly above < top_p
+    keep = (cum - vals < pp * total) & (rank < kk)                              # mass strictly above < top_p
     keep[:, 0] = True
-    if c < v and not bool(((kk <= c) | (pp >= 1) | (cum[:, -1:] >= pp[:, None] * total)[:, 0]).all()):
-        return _truncate(probs, kk, pp, v)                                       # some cut lies past the window
     kept = torch.where(keep, vals, 0.0)
     # Normalise the [rows, c] survivors, not the [rows, V] result: full-size temporaries dominate on CPU.
     return torch.zeros_like(probs).scatter_(1, ids, kept / kept.sum(-1, keepdim=True))
+
+
+# Radix-select digits of the fp32 bit pattern (bits 30..20, 19..9, 8..0; probabilities are >= +0, so the
+# pattern read as int32 orders like the value).
+_DIGITS = ((20, 11), (9, 11), (0, 9))
+
+
+def _top_p_keep(probs, limit):
+    """probs: fp32 [rows, V], limit: [rows, 1] = top_p * mass -> bool [rows, V]: the tokens, in (prob desc,
+    id asc) order, whose preceding mass is < limit. O(V) without sorting: three histogram passes over the
+    bit patterns find the value of the last kept token, then a cumsum over the tokens at that value (in id
+    order) settles ties."""
+    rows = probs.shape[0]
+    bits = probs.contiguous().view(torch.int32)
+    above = probs.new_zeros(rows, 1)                 # mass of the tokens above the current prefix's range
+    prefix = torch.zeros(rows, 1, dtype=torch.int32, device=probs.device)
+    for shift, width in _DIGITS:
+        digit = ((bits >> shift) & ((1 << width) - 1)).long()
+        mass = probs if shift + width == 31 else torch.where((bits >> (shift + width)) == prefix, probs, 0.0)
+        hist = probs.new_zeros(rows, 1 << width).scatter_add_(1, digit, mass)
+        at_or_above = above + hist.flip(-1).cumsum(-1).flip(-1)                # [rows, 2^width], non-increasing
+        d = ((at_or_above >= limit).sum(-1, keepdim=True) - 1).clamp_(min=0)  # the digit holding the cut
+        above = torch.cat([at_or_above[:, 1:], above], dim=-1).gather(1, d)
+        prefix = (prefix << width) | d.int()
+    tie = torch.where(bits == prefix, probs, 0.0)
+    before = above + tie.cumsum(-1) - tie
+    return (bits > prefix) | ((bits == prefix) & (before < limit))

@@ -93,11 +93,35 @@ def test_paged_attention_fp32_fp16(scenario, heads, tree):
 @pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
 @pytest.mark.parametrize("scenario", SCENARIOS + [([150, 200], [1, 3])], ids=lambda s: f"p{s[0]}-n{s[1]}")
 def test_triton_split_kv(scenario, tree):
-    # Forced splits of the prefix (64-key ranges here): empty splits, splits ending mid-block, prefix 0.
+    # Forced splits of each prefix (even 64-key-aligned ranges here): empty splits, splits ending mid-block,
+    # prefix 0.
     for dtype in (torch.float32, torch.float16):
         args = make_batch(*scenario, 9, 3, 64, dtype, tree)
         out = attention.paged_attention_triton(*to_dev(args), num_splits=4)
         check_close(out, ref_paged_attention(*args), dtype)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton not installed or not interpretable")
+def test_triton_split_kv_uneven_count():
+    # 3 ranges per prefix: 150 and 200 keys cut at 64-key boundaries, ranges ending mid-block, one empty range.
+    args = make_batch([150, 200, 0], [2, 1, 3], 9, 3, 64, torch.float32, True, seed=2)
+    out = attention.paged_attention_triton(*to_dev(args), num_splits=3)
+    check_close(out, ref_paged_attention(*args), torch.float32)
+
+
+@pytest.mark.skipif(attention.triton is None, reason="Triton not installed")
+def test_split_plan_is_stable_as_tables_grow():
+    # A generation whose block tables grow one block at a time (eager mode) and batches of 1..64 sequences:
+    # NUM_SPLITS stays a power of two <= 16, so the kernel compiles at most five variants; a fixed-width
+    # table (the CUDA-graph path) gives one count per batch shape.
+    counts = set()
+    for programs in (3, 6, 24, 96, 192):
+        per_shape = {attention._split_plan(132, programs, blocks * 16, 64, None) for blocks in range(1, 513)}
+        counts |= {n for n, _ in per_shape}
+        assert len(per_shape) <= 5 and {m for _, m in per_shape} == {attention._MIN_SPLIT_KEYS}
+    assert counts <= {1, 2, 4, 8, 16} and 16 in counts and 1 in counts
+    assert attention._split_plan(None, 3, 8192, 64, None) == (1, attention._MIN_SPLIT_KEYS)
+    assert attention._split_plan(132, 3, 8192, 64, 3) == (3, 64)
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])

@@ -145,3 +145,16 @@ def test_bad_inputs_raise(message, kwargs):
 def test_triton_rejects_large_k():
     with pytest.raises(ValueError, match="k <= 16"):
         expand._topk_expand_triton(torch.randn(1, 1, 100, device=DEV), torch.zeros(1, 1, device=DEV), 17, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_topk_low_index_first_matches_stable_sort(dtype):
+    # Integer values (ties everywhere, also across the cut), signed zeros and infinities, every k.
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randint(-3, 4, (3, 2, 40), generator=gen).to(dtype)
+    x[0, :, ::5], x[0, :, 1::7], x[1, :, ::9], x[1, :, 2::11] = 0.0, -0.0, float("inf"), float("-inf")
+    ref = torch.sort(x.float(), dim=-1, descending=True, stable=True)
+    for k in range(1, 41):
+        vals, ids = expand.topk_low_index_first(x, k)
+        assert torch.equal(ids, ref.indices[..., :k]) and vals.dtype == dtype
+        assert torch.equal(vals, x.gather(-1, ids))

@@ -41,6 +41,15 @@ def top_p_between(logits, temperature, top_k, m):
     return float((cum[m - 1] + cum[m]) / 2) if m > 0 else float(cum[0] / 2)
 
 
+def host(x):
+    """The same parameter as host values (what the engine passes): a number or a (nested) list."""
+    return x.tolist() if isinstance(x, torch.Tensor) else x
+
+
+# Parameters as tensors (every row takes the full sort) and as host values (the host plans the cheapest path).
+FORMS = pytest.mark.parametrize("form", [lambda x: x, host], ids=["tensor", "host"])
+
+
 def check(out, ref):
     assert out.dtype == torch.float32 and out.shape == ref.shape
     torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=1e-5)
@@ -48,7 +57,8 @@ def check(out, ref):
     torch.testing.assert_close(out.sum(-1), torch.ones(out.shape[:-1]), atol=1e-5, rtol=0)
 
 
-def test_per_row_parameters_exact_truncation():
+@FORMS
+def test_per_row_parameters_exact_truncation(form):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 500, generator=gen) * 2
     temperature = torch.tensor([1.0, 0.7, 1.3, 2.0, 0.5, 1.0])
@@ -57,17 +67,18 @@ def test_per_row_parameters_exact_truncation():
     top_p = torch.tensor([top_p_between(logits[i], float(temperature[i]), int(top_k[i]), keep[i])
                           for i in range(6)])
     top_p[2] = 1.0  # top-k only on a disabled top-k: the full softmax
-    out = sampling_probs(logits, temperature, top_k, top_p)
+    out = sampling_probs(logits, form(temperature), form(top_k), form(top_p))
     check(out, ref_probs(logits, temperature, top_k, top_p))
     expected_support = [11, 6, 500, 4, 2, 1]
     assert (out > 0).sum(-1).tolist() == expected_support
 
 
-def test_top_k_only_and_plain_softmax_paths():
+@FORMS
+def test_top_k_only_and_plain_softmax_paths(form):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 300, generator=gen)
     top_k = torch.tensor([5, 0, 1, 299])
-    out = sampling_probs(logits, 0.8, top_k, 1.0)
+    out = sampling_probs(logits, 0.8, form(top_k), 1.0)
     check(out, ref_probs(logits, 0.8, top_k, 1.0))
     assert (out > 0).sum(-1).tolist() == [5, 300, 1, 299]
     check(sampling_probs(logits, 1.5, 0, 1.0), torch.softmax(logits.double() / 1.5, -1))
@@ -81,13 +92,14 @@ def test_ties_keep_lowest_ids():
     assert (out[0] > 0).nonzero().flatten().tolist() == [1, 2, 3, 4]
 
 
+@FORMS
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_leading_dims_broadcast_params_and_half_inputs(dtype):
+def test_leading_dims_broadcast_params_and_half_inputs(dtype, form):
     # Target distributions [B, N, V] with per-request parameters [B].
     gen = torch.Generator().manual_seed(2)
     logits = (torch.randn(2, 3, 200, generator=gen) * 3).to(dtype)
     temperature, top_k, top_p = torch.tensor([0.6, 1.0]), torch.tensor([50, 0]), torch.tensor([0.9, 0.75])
-    out = sampling_probs(logits, temperature, top_k, top_p)
+    out = sampling_probs(logits, form(temperature), form(top_k), form(top_p))
     ref = ref_probs(logits.float().reshape(6, 200), temperature.repeat_interleave(3), top_k.repeat_interleave(3),
                     top_p.repeat_interleave(3)).reshape(2, 3, 200)
     check(out, ref)
@@ -96,10 +108,14 @@ def test_leading_dims_broadcast_params_and_half_inputs(dtype):
 @pytest.mark.parametrize("message,kwargs", [
     ("logits must be", dict(logits=torch.zeros(2, 5, dtype=torch.int64))),
     ("temperature must be > 0", dict(temperature=0.0)),
-    ("temperature must be > 0", dict(temperature=torch.tensor([1.0, -1.0]))),
+    ("temperature must be > 0", dict(temperature=[1.0, -1.0])),
+    ("temperature must be > 0", dict(temperature=float("nan"))),
     ("top_p must be in", dict(top_p=0.0)),
-    ("top_p must be in", dict(top_p=torch.tensor([0.5, 1.5]))),
+    ("top_p must be in", dict(top_p=[0.5, 1.5])),
     ("top_k must be a scalar", dict(top_k=torch.tensor([1, 2, 3]))),
+    ("top_k must be a scalar", dict(top_k=[1, 2, 3])),
+    ("top_p must be a scalar", dict(top_p=[[0.5], [0.5]])),
+    ("top_k must be a number", dict(top_k="3")),
 ])
 def test_bad_inputs_raise(message, kwargs):
     args = dict(logits=torch.randn(2, 5), temperature=1.0, top_k=0, top_p=1.0) | kwargs
@@ -107,14 +123,47 @@ def test_bad_inputs_raise(message, kwargs):
         sampling_probs(**args)
 
 
-def test_top_p_window_and_full_sort_fallback():
-    # V > the top-p window: a peaked row resolves inside it, a flat row's cut lies beyond it (full sort).
+def test_tensor_values_are_not_checked():
+    # Checking a tensor's values would read it on the host: invalid values pass through (NaN rows).
+    out = sampling_probs(torch.randn(2, 5), torch.tensor([1.0, -1.0]), 0, torch.tensor([0.5, 1.5]))
+    assert out.shape == (2, 5)
+
+
+@FORMS
+def test_top_p_cut_far_down_the_order(form):
+    # V > 1024: a peaked row cuts early, a flat row's cut lies past the first 1024 tokens.
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(3, 3000, generator=gen)
     logits[0] *= 6
     logits[2] *= 0.01
     top_k, top_p = torch.tensor([0, 30, 0]), torch.tensor([0.8, 0.95, 0.9])
-    for rows in (slice(0, 2), slice(0, 3)):  # resolved inside the window / one row forces the fallback
-        out = sampling_probs(logits[rows], 1.0, top_k[rows], top_p[rows])
+    for rows in (slice(0, 2), slice(0, 3)):
+        out = sampling_probs(logits[rows], 1.0, form(top_k[rows]), form(top_p[rows]))
         check(out, ref_probs(logits[rows], 1.0, top_k[rows], top_p[rows]))
     assert (out[2] > 0).sum() > 1024
+
+
+@FORMS
+def test_top_p_ties_at_the_cut_keep_lowest_ids(form):
+    # Integer logits: many tokens share the value at the cut; of those, the lowest ids survive.
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randint(-4, 3, (4, 1500), generator=gen).float()
+    top_p = [top_p_between(logits[i], 1.0, 0, m) for i, m in enumerate([3, 250, 700, 1200])]
+    out = sampling_probs(logits, 1.0, 0, form(torch.tensor(top_p)))
+    check(out, ref_probs(logits, 1.0, 0, torch.tensor(top_p)))
+    assert (out > 0).sum(-1).tolist() == [4, 251, 701, 1201]
+
+
+def test_mixed_rows_host_plan_matches_full_sort():
+    # One call, every kind of row: untouched, top-k only, top-k + top-p, top-p only (cut in / past 1024).
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(2, 3, 2000, generator=gen) * torch.tensor([3.0, 0.05, 1.0])[:, None]
+    temperature = [[0.7, 1.0, 1.3], [1.0, 0.5, 2.0]]
+    top_k = [[0, 40, 0], [1500, 0, 7]]
+    top_p = [[1.0, 0.9, 0.95], [0.8, 0.6, 1.0]]
+    planned = sampling_probs(logits, temperature, top_k, top_p)
+    sorted_ = sampling_probs(logits, torch.tensor(temperature), torch.tensor(top_k), torch.tensor(top_p))
+    ref = ref_probs(logits.reshape(6, -1), *(torch.tensor(x).flatten() for x in (temperature, top_k, top_p)))
+    check(planned, ref.reshape(logits.shape))
+    assert torch.equal(planned > 0, sorted_ > 0)
+    torch.testing.assert_close(planned, sorted_, atol=1e-7, rtol=1e-6)
