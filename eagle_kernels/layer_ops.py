@@ -17,7 +17,7 @@ try:
 except ImportError:  # CPU-only installs: C++ / torch serve every device
     triton = None
 
-from ._ops import gpu_path, has_kernel, ops
+from ._ops import check_rms_norm, check_rope_write_kv, check_silu_and_mul, gpu_path, has_kernel, ops
 from .attention import write_kv
 
 _CPU_OPS = has_kernel("rms_norm", torch.device("cpu"))  # looked up once: the dispatcher query is slow
@@ -46,6 +46,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if _triton_kernel(x, weight, residual):
         return rms_norm_triton(x.contiguous(), weight.contiguous(), eps, residual)
     if _cpu_kernel(x, weight, residual):
+        check_rms_norm(x, weight, residual)
         return ops().rms_norm(x, weight, eps, residual)
     return rms_norm_torch(x, weight, eps, residual)
 
@@ -63,6 +64,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _triton_kernel(x):
         return silu_and_mul_triton(x.contiguous())
     if _cpu_kernel(x):
+        check_silu_and_mul(x)
         return ops().silu_and_mul(x)
     return silu_and_mul_torch(x)
 
@@ -88,6 +90,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         return rope_write_kv_triton(qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_cache, v_cache,
                                     slot_mapping.contiguous(), num_q_heads)
     if _cpu_kernel(qkv, cos, sin):
+        check_rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads)
         return ops().rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads)
     return rope_write_kv_torch(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads)
 

@@ -33,6 +33,7 @@ class Decoder:
     def __init__(self, runner: ModelRunner, sampler: Sampler, blocks):
         self.runner, self.sampler, self.blocks = runner, sampler, blocks
         self.model = runner.model
+        self.graphs: dict[tuple, object] = {}  # this decoder's fixed-shape steps (model_runner.StepGraph)
 
     def plan(self, seqs: list[Sequence], starts: list[int], counts: list[int]) -> StepPlan:
         return StepPlan([self.blocks.block_table(s.seq_id) for s in seqs], starts, counts)
@@ -68,7 +69,7 @@ class VanillaDecoder(Decoder):
         B = len(seqs)
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [1] * B)
         Bp = self.runner.batch_rows(B)
-        g = self.runner.graph(("decode", Bp), plan.padded(Bp), self._decode, {"ids": ((Bp,), torch.int64)})
+        g = self.runner.graph(self.graphs, ("decode", Bp), plan.padded(Bp), self._decode, {"ids": ((Bp,), torch.int64)})
         ids = self.runner.to_device([s.all_ids[-1] for s in seqs])
         logits = g.run(plan.padded(Bp), ids=ids)                                     # [Bp, V]
         return [[t] for t in self.sampler(logits[:B], [s.params for s in seqs]).tolist()]
@@ -129,7 +130,7 @@ class SpeculativeDecoder(Decoder):
         inputs = {"ids": ((Bp, N), torch.int64), "depths": ((Bp, N), torch.int32)}
         if not self.causal:
             inputs["tree_mask"] = ((Bp * N, W), torch.int32)
-        g = self.runner.graph(("verify", Bp, N, self.causal, self.capture), plan.padded(Bp), self._verify_fn,
+        g = self.runner.graph(self.graphs, ("verify", Bp, N, self.causal, self.capture), plan.padded(Bp), self._verify_fn,
                               inputs)
         given = {"ids": tree.tokens, "depths": tree.depths}
         if not self.causal:

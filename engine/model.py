@@ -90,7 +90,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         q = eagle_kernels.rope_write_kv(self.qkv_proj(x), cos, sin, k_cache, v_cache, meta.slot_mapping, self.nq)
         o = eagle_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                          meta.prefix_lens, meta.tree_mask)  # [T, Hq, D]
+                                          meta.prefix_lens, meta.tree_mask, max_seqlen_q=meta.max_new)  # [T, Hq, D]
         return self.o_proj(o.reshape(x.shape[0], self.nq * self.hd))
 
 

@@ -51,7 +51,6 @@ class ModelRunner:
         self.kv = self.new_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         self.layers = kv_layers(self.kv)
         self._staging = Staging(device)
-        self._graphs: dict[tuple, StepGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
 
     @staticmethod
@@ -127,12 +126,13 @@ class ModelRunner:
 
     # --- running ---------------------------------------------------------------------------------------------
 
-    def graph(self, key: tuple, plan: StepPlan, fn: Callable, inputs: dict[str, tuple]) -> "StepGraph":
-        """The StepGraph of `key` (built on first use): static metadata for plan's shape and static
-        `inputs` (name -> (shape, dtype)); `fn(graph)` computes the outputs from graph.meta / graph.inputs."""
-        g = self._graphs.get(key)
+    def graph(self, graphs: dict, key: tuple, plan: StepPlan, fn: Callable, inputs: dict[str, tuple]) -> "StepGraph":
+        """The StepGraph of `key` in `graphs` (the caller's: graphs live and die with the decoder whose `fn`
+        they run), built on first use: static metadata for plan's shape and static `inputs` (name ->
+        (shape, dtype)); `fn(graph)` computes the outputs from graph.meta and graph.inputs."""
+        g = graphs.get(key)
         if g is None:
-            g = self._graphs[key] = StepGraph(self, plan, fn, inputs)
+            g = graphs[key] = StepGraph(self, plan, fn, inputs)
         return g
 
 

@@ -123,7 +123,7 @@ class EagleDecoder(SpeculativeDecoder):
         Bp = self.runner.batch_rows(B)
         plan = self.plan(seqs, starts, [n] * B).padded(Bp)
         H = hidden.shape[-1]
-        g = self.runner.graph(("draft", Bp, n), plan, self._draft_fn, {
+        g = self.runner.graph(self.graphs, ("draft", Bp, n), plan, self._draft_fn, {
             "ids": ((Bp, n), torch.int64), "hidden": ((Bp, n, H), hidden.dtype),
             "depths": ((Bp, n), torch.int32), "tree_mask": ((Bp * n, (n + 31) // 32), torch.int32)})
         out = g.run(plan, ids=fed.tokens, hidden=hidden, depths=fed.depths, tree_mask=fed.mask())

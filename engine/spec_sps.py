@@ -111,7 +111,7 @@ class SpSDecoder(SpeculativeDecoder):
         B = len(seqs)
         Bp = self.runner.batch_rows(B)
         plan = self.plan(seqs, starts, [1] * B).padded(Bp)
-        g = self.runner.graph(("sps", Bp), plan, self._step_fn, {"ids": ((Bp,), torch.int64)})
+        g = self.runner.graph(self.graphs, ("sps", Bp), plan, self._step_fn, {"ids": ((Bp,), torch.int64)})
         return g.run(plan, ids=tokens)[:B]
 
     def _step_fn(self, g):
