@@ -66,8 +66,8 @@ def test_greedy_equals_vanilla_on_both_paths(llm, reference, path, name):
         batched, stats = generate(llm, PROMPTS, method=method, args=args)
         alone, _ = generate(llm, PROMPTS[:1], method=method, args=args)
     assert batched == reference and alone == reference[:1]
-    if name != "vanilla":
-        assert stats["tau"] > 1.0  # paths were accepted, so the KV moves were exercised
+    if name in ("sps", "eagle3"):  # these drafts get accepted here: the KV moves of mixed paths are exercised
+        assert stats["tau"] > 1.0
 
 
 @pytest.mark.parametrize("path", ["cpu", "gpu"])
