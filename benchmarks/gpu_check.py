@@ -66,8 +66,13 @@ def graphs_supported() -> bool:
     return "cuda_graphs" in inspect.signature(LLM.__init__).parameters
 
 
-def llm_kwargs(cuda_graphs: bool | None) -> dict:
-    return {"cuda_graphs": cuda_graphs} if cuda_graphs is not None and graphs_supported() else {}
+def llm_kwargs(cuda_graphs: bool | None, timing: bool = False) -> dict:
+    """cuda_graphs (None: the device's default) and timing (the draft / verify split in the stats; CUDA
+    events), where `LLM` takes them."""
+    from engine.llm import LLM
+    params = inspect.signature(LLM.__init__).parameters
+    kw = {"cuda_graphs": cuda_graphs} if cuda_graphs is not None and "cuda_graphs" in params else {}
+    return {**kw, "timing": True} if timing and "timing" in params else kw
 
 
 def load_llm(path: str, dtype: str, device: torch.device, method: str = "vanilla", method_args=None,
@@ -79,7 +84,7 @@ def load_llm(path: str, dtype: str, device: torch.device, method: str = "vanilla
 
 
 def build_llm(model, cfg, dtype: str, device: torch.device, method: str = "vanilla", method_args=None,
-              max_batch: int = 1, kv_cache_gb: float = 2.0, cuda_graphs: bool | None = None):
+              max_batch: int = 1, kv_cache_gb: float = 2.0, cuda_graphs: bool | None = None, timing: bool = False):
     """`LLM` around an in-memory model: LLM.__init__ runs unchanged, with its loader answering `model` and a
     tokenizer stub (no checkpoint on disk for 8B shapes)."""
     import types
@@ -90,7 +95,7 @@ def build_llm(model, cfg, dtype: str, device: torch.device, method: str = "vanil
     llm_module.load_tokenizer = lambda *a, **k: types.SimpleNamespace(eos_token_id=None)
     try:
         return llm_module.LLM("in-memory", dtype, device=str(device), kv_cache_gb=kv_cache_gb, max_batch=max_batch,
-                              method=method, method_args=method_args or {}, **llm_kwargs(cuda_graphs))
+                              method=method, method_args=method_args or {}, **llm_kwargs(cuda_graphs, timing))
     finally:
         llm_module.load_model, llm_module.load_tokenizer = saved
 
@@ -121,28 +126,40 @@ VERIFY_SEQ = 1 << 30  # a sequence id the scheduler never hands out
 
 def extend(llm, tokens: list[int], seq_id: int = VERIFY_SEQ):
     """Append tokens to a sequence in the target cache (a prefill)."""
-    llm.runner.forward([seq_id], [tokens])
+    llm.runner.forward(llm.scheduler.blocks, [seq_id], [tokens])
 
 
-def verify_forward(llm, tokens: list[int], depths: list[int], tree_mask, seq_id: int = VERIFY_SEQ):
-    """The target forward + logits over one tree after the cached prefix, then the tree rolled back."""
-    runner = llm.runner
-    prefix = runner.blocks.length(seq_id)
-    feature, _, _ = runner.forward([seq_id], [tokens], [[prefix + d for d in depths]], tree_mask)
-    runner.model.logits(feature)
-    runner.blocks.truncate(seq_id, prefix)
+def verify_forward(llm, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
+                   seq_id: int = VERIFY_SEQ):
+    """The target forward + logits over one tree after the cached prefix, as the decoders' verify step runs
+    it (a StepGraph: a CUDA graph replay when the LLM has graphs on), then the tree rolled back.
+    tokens int64 [1, M], depths int32 [1, M], tree_mask int32 [M, W], all on the device."""
+    from engine.model_runner import StepPlan
+    runner, blocks = llm.runner, llm.scheduler.blocks
+    prefix, M = blocks.length(seq_id), tokens.shape[1]
+    blocks.reserve(seq_id, prefix + M)
+    plan = StepPlan([blocks.block_table(seq_id)], [prefix], [M])
+
+    def fn(g):
+        rope = g.meta.prefix_lens[:, None] + g.inputs["depths"]
+        feature, _ = runner.model(g.inputs["ids"].flatten(), rope.flatten(), runner.layers, g.meta)
+        return runner.model.logits(feature)
+    g = runner.graph(("gpu_check_verify", M), plan, fn, {
+        "ids": ((1, M), torch.int64), "depths": ((1, M), torch.int32), "tree_mask": (tuple(tree_mask.shape), torch.int32)})
+    g.run(plan, ids=tokens, depths=depths, tree_mask=tree_mask)
+    blocks.truncate(seq_id, prefix)
 
 
 def release(llm, seq_id: int = VERIFY_SEQ):
-    llm.runner.blocks.free(seq_id)
+    llm.scheduler.blocks.free(seq_id)
 
 
 def tree_index(parents: list[int], device: torch.device):
-    """BFS parents of one tree -> (depths list, int32 ancestor mask [N, W] on device)."""
+    """BFS parents of one tree -> (depths int32 [1, N], ancestor mask int32 [N, W]), on the device."""
     import eagle_kernels
     p = torch.tensor([parents], dtype=torch.int32)
     index = eagle_kernels.build_tree(p, torch.tensor([len(parents)], dtype=torch.int32))
-    return index.depths[0].tolist(), index.mask[0].to(device)
+    return index.depths.to(device), index.mask[0].to(device)
 
 
 def random_llama(cfg, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -450,7 +467,7 @@ def phase_timings(args, device: torch.device, budget: float, save) -> dict:
             continue
         margs = {"head": str(head_dir), "depth": d, "topk": k, "tree_tokens": m}
         llm = build_llm(model, cfg, "bfloat16", device, "eagle3", margs, kv_cache_gb=kv_gb,
-                        cuda_graphs=mode)
+                        cuda_graphs=mode, timing=True)
         generate(llm, [prompt], 8)
         rounds = [round_ms(generate(llm, [prompt], decode_tokens)[1]) for _ in range(3)]
         row = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
@@ -497,7 +514,7 @@ def verify_costs(llm, cfg, device, rand, deadline: Deadline, args) -> dict:
                 row[M] = "skipped: out of time"
                 continue
             depths, mask = tree_index([-1] + [(i - 1) // 4 for i in range(1, M)], device)
-            tokens = rand(M)
+            tokens = torch.tensor([rand(M)], device=device)
             row[M] = {"ms": time_ms(lambda: verify_forward(llm, tokens, depths, mask), device, args.repeats)}
         base = row.get(1, {}).get("ms") if isinstance(row.get(1), dict) else None
         for M, r in row.items():

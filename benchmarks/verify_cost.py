@@ -23,19 +23,19 @@ from engine.llm import DTYPES, LLM
 
 
 def forward_ms(llm: LLM, context: int, rows: list[int], repeats: int, device: torch.device) -> dict[int, float]:
-    runner = llm.runner
-    runner.forward([0], [list(range(100, 100 + context))])
+    runner, blocks = llm.runner, llm.scheduler.blocks
+    runner.forward(blocks, [0], [list(range(100, 100 + context))])
     times = {m: [] for m in rows}
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def once(m: int) -> float:
         sync()
         t0 = time.perf_counter()
-        feature, _, _ = runner.forward([0], [list(range(200, 200 + m))])
+        feature, _, _ = runner.forward(blocks, [0], [list(range(200, 200 + m))])
         runner.model.logits(feature)
         sync()
         dt = time.perf_counter() - t0
-        runner.blocks.truncate(0, context)
+        blocks.truncate(0, context)
         return dt
 
     with torch.inference_mode():
@@ -44,7 +44,7 @@ def forward_ms(llm: LLM, context: int, rows: list[int], repeats: int, device: to
         for _ in range(repeats):
             for m in rows:
                 times[m].append(once(m))
-    runner.blocks.free(0)
+    blocks.free(0)
     return {m: 1e3 * statistics.median(ts) for m, ts in times.items()}
 
 

@@ -56,13 +56,15 @@ def test_gpu_check_engine_helpers_on_cpu(tmp_path):
     assert len(ref[0]) == 6 and gc.round_ms(stats)["step_ms"] > 0
     gc.extend(vanilla, prompt)
     depths, mask = gc.tree_index([-1, 0, 0, 1, 1, 2], cpu)
-    assert depths == [0, 1, 1, 2, 2, 2]
-    gc.verify_forward(vanilla, [5, 6, 7, 8, 9, 10], depths, mask)
-    assert vanilla.runner.blocks.length(gc.VERIFY_SEQ) == len(prompt)
+    assert depths.tolist() == [[0, 1, 1, 2, 2, 2]]
+    gc.verify_forward(vanilla, torch.tensor([[5, 6, 7, 8, 9, 10]]), depths, mask)
+    assert vanilla.scheduler.blocks.length(gc.VERIFY_SEQ) == len(prompt)
     gc.release(vanilla)
     gc.save_random_eagle3_head(model, tmp_path / "head", draft_vocab=128)
     eagle = gc.build_llm(model, cfg, "float32", cpu, "eagle3",
-                         {"head": str(tmp_path / "head"), "depth": 3, "topk": 4, "tree_tokens": 8}, kv_cache_gb=0.01)
+                         {"head": str(tmp_path / "head"), "depth": 3, "topk": 4, "tree_tokens": 8}, kv_cache_gb=0.01,
+                         timing=True)
     out, stats = gc.generate(eagle, [prompt], 6)
-    assert out == ref and {"draft_ms", "verify_ms", "tau"} <= set(gc.round_ms(stats))
+    split = gc.round_ms(stats)
+    assert out == ref and split["draft_ms"] > 0 and split["verify_ms"] > 0 and split["tau"] >= 1
     assert gc.report({"phases": {}}).startswith("# GPU check")
