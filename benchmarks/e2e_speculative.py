@@ -1,7 +1,7 @@
 """Speculative decoding end to end: every method on the same prompts in one run, against our vanilla.
 
     python benchmarks/e2e_speculative.py [--prompts 4] [--max-tokens 128] [--dtype float32]
-        [--head DIR] [--eagle-head DIR] [--batch 1] [--threads 1] [--trees 3,2,6 ...]
+        [--head DIR] [--eagle-head DIR] [--batch 1] [--threads 1] [--trees 3,2,6 ...] [--device auto|cpu|cuda]
 
 Prompts: the first user turns of held-out ShareGPT conversations (engine.data's split) and HumanEval
 problems, each through the chat template. Greedy decoding with natural stops; the model is loaded once,
@@ -17,11 +17,13 @@ untrained ones (shown as "random": they measure the machinery's overhead, not a 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
 
 from engine.data import heldout_prompts, humaneval_prompts
+from engine.device import DeviceError, add_device_arg, resolve_device
 from engine.llm import DTYPES, LLM, METHODS
 from engine.scheduler import SamplingParams
 from engine.spec_eagle import shipped_head
@@ -114,15 +116,21 @@ def main():
     ap.add_argument("--methods", nargs="+", help="labels' first words to run, e.g. vanilla eagle3")
     ap.add_argument("--trees", nargs="+", default=[], metavar="D,K,M",
                     help="extra EAGLE-3 dynamic trees to compare: depth, top-k, verified tokens")
+    add_device_arg(ap)
     args = ap.parse_args()
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
-    llm = LLM(args.model, args.dtype, max_batch=args.batch, threads=args.threads)
+    llm = LLM(args.model, args.dtype, device=str(device), max_batch=args.batch, threads=args.threads)
     fits = lambda ids: len(ids) <= args.max_prompt_tokens
     datasets = {"ShareGPT held-out": [p for p in map(llm.chat_ids, heldout_prompts(4 * args.prompts)) if fits(p)],
                 "HumanEval": [p for p in map(llm.chat_ids, humaneval_prompts(4 * args.prompts)) if fits(p)]}
     configs = [c for c in method_configs(args, llm.cfg)
                if c[0] == "vanilla" or not args.methods or c[0].split()[0] in args.methods]
-    print(f"model={args.model} dtype={args.dtype} threads={args.threads} batch={args.batch} "
+    print(f"model={args.model} device={device} dtype={args.dtype} threads={args.threads} batch={args.batch} "
           f"max_tokens={args.max_tokens} greedy")
     decoders = {label: decoder(llm, method, margs) for label, method, margs in configs}
     for name, prompts in datasets.items():

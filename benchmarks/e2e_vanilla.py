@@ -1,8 +1,9 @@
 """Vanilla decoding: our engine against transformers' `generate` on the same GGUF, side by side in one run.
 
     python benchmarks/e2e_vanilla.py [--dtypes bfloat16 float32] [--prompts 5] [--new-tokens 64] [--repeats 1]
+        [--device auto|cpu|cuda]
 
-Both sides generate exactly --new-tokens tokens per prompt (EOS ignored), batch size 1, greedy, the same
+Both sides run on --device; generate exactly --new-tokens tokens per prompt (EOS ignored), batch size 1, greedy, the same
 thread count; each prompt is timed end to end (prefill + decode), ours and transformers alternating prompt by
 prompt. Prints per-dtype median tokens/s and the ratio of the medians, ours / transformers.
 """
@@ -10,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
 
+from engine.device import DeviceError, add_device_arg, resolve_device
 from engine.llm import DTYPES, LLM
 from engine.scheduler import SamplingParams
 
@@ -38,14 +41,24 @@ def ours_runner(llm: LLM, new_tokens: int):
     return run
 
 
-def transformers_runner(model, new_tokens: int):
+def transformers_runner(model, new_tokens: int, device: torch.device):
     def run(ids) -> int:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=device)
         with torch.no_grad():
             out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False)
         return out.shape[1] - len(ids)
     return run
+
+
+def synced(run, device: torch.device):
+    """`run` returning only once the device has finished its work (so wall time is the real time)."""
+    def call(ids) -> int:
+        n = run(ids)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return n
+    return call
 
 
 def paired_rates(runners, prompt_ids, repeats: int) -> list[list[float]]:
@@ -69,19 +82,27 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
+    add_device_arg(ap)
     args = ap.parse_args()
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    print(f"threads={args.threads} prompts={args.prompts} new_tokens={args.new_tokens} (bs=1, greedy)")
+    print(f"device={device} threads={args.threads} prompts={args.prompts} new_tokens={args.new_tokens} "
+          f"(bs=1, greedy)")
     print(f"{'dtype':10s} {'ours tok/s':>11s} {'hf tok/s':>9s} {'ratio':>6s}")
     for dtype in args.dtypes:
-        llm = LLM(dtype=dtype)
+        llm = LLM(dtype=dtype, device=str(device))
         prompt_ids = [llm.chat_ids(p) for p in PROMPTS[:args.prompts]]
         path = llm.source.path
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                  dtype=DTYPES[dtype]).eval()
-        runners = [ours_runner(llm, args.new_tokens), transformers_runner(hf, args.new_tokens)]
+                                                  dtype=DTYPES[dtype]).to(device).eval()
+        runners = [synced(ours_runner(llm, args.new_tokens), device),
+                   synced(transformers_runner(hf, args.new_tokens, device), device)]
         ours, theirs = map(statistics.median, paired_rates(runners, prompt_ids, args.repeats))
         print(f"{dtype:10s} {ours:11.1f} {theirs:9.1f} {ours / theirs:6.2f}x", flush=True)
         del llm, hf

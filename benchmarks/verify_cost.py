@@ -1,7 +1,7 @@
 """What verifying a tree costs: one target forward (+ LM-head logits) over M new tokens, against M = 1 (a decode).
 
     python benchmarks/verify_cost.py [--dtype bfloat16] [--threads 2] [--context 300] [--rows 1 2 4 6 8 16 32]
-        [--plot benchmarks/plots/verify_cost.png]
+        [--plot benchmarks/plots/verify_cost.png] [--device auto|cpu|cuda]
 
 A speculative round pays one such forward plus the draft, and yields tau tokens, so this curve decides which
 tree sizes can pay off on a machine: where it stays flat, verification is bandwidth-bound (the weights are read
@@ -13,24 +13,29 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
 
+from engine.device import DeviceError, add_device_arg, resolve_device
 from engine.llm import DTYPES, LLM
 
 
-def forward_ms(llm: LLM, context: int, rows: list[int], repeats: int) -> dict[int, float]:
-    runner = llm.runner
-    runner.forward([0], [list(range(100, 100 + context))])
+def forward_ms(llm: LLM, context: int, rows: list[int], repeats: int, device: torch.device) -> dict[int, float]:
+    runner, blocks = llm.runner, llm.scheduler.blocks
+    runner.forward(blocks, [0], [list(range(100, 100 + context))])
     times = {m: [] for m in rows}
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def once(m: int) -> float:
+        sync()
         t0 = time.perf_counter()
-        feature, _, _ = runner.forward([0], [list(range(200, 200 + m))])
+        feature, _, _ = runner.forward(blocks, [0], [list(range(200, 200 + m))])
         runner.model.logits(feature)
+        sync()
         dt = time.perf_counter() - t0
-        runner.blocks.truncate(0, context)
+        blocks.truncate(0, context)
         return dt
 
     with torch.inference_mode():
@@ -39,7 +44,7 @@ def forward_ms(llm: LLM, context: int, rows: list[int], repeats: int) -> dict[in
         for _ in range(repeats):
             for m in rows:
                 times[m].append(once(m))
-    runner.blocks.free(0)
+    blocks.free(0)
     return {m: 1e3 * statistics.median(ts) for m, ts in times.items()}
 
 
@@ -52,12 +57,18 @@ def main():
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--plot", help="write the curve to this PNG")
+    add_device_arg(ap)
     args = ap.parse_args()
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     if 1 not in args.rows:
         args.rows = [1] + args.rows
-    llm = LLM(args.model, args.dtype, threads=args.threads)
-    ms = forward_ms(llm, args.context, args.rows, args.repeats)
-    print(f"model={args.model} dtype={args.dtype} threads={args.threads} context={args.context}")
+    llm = LLM(args.model, args.dtype, device=str(device), threads=args.threads)
+    ms = forward_ms(llm, args.context, args.rows, args.repeats, device)
+    print(f"model={args.model} device={device} dtype={args.dtype} threads={args.threads} context={args.context}")
     print(f"{'rows':>5s} {'ms':>7s} {'x decode':>9s} {'ms/row':>7s}")
     for m, t in ms.items():
         print(f"{m:5d} {t:7.1f} {t / ms[1]:8.2f}x {t / m:7.2f}")
@@ -72,7 +83,8 @@ def main():
         ax.set_xlabel("tokens verified in one forward (M)")
         ax.set_ylabel("cost / one decode step")
         ax.set_ylim(0, max(t / ms[1] for t in ms.values()) * 1.2)
-        ax.set_title(f"{args.model} {args.dtype}, {args.threads} threads, context {args.context}", fontsize=9)
+        ax.set_title(f"{args.model} {args.dtype} on {device}, {args.threads} threads, context {args.context}",
+                     fontsize=9)
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)

@@ -21,6 +21,7 @@ import gzip
 import hashlib
 import json
 import os
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import IO, Iterator
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from eagle_kernels import apply_rope
+from .device import add_device_arg, resolve_device
 
 HELDOUT_PER_MILLE = 20  # ~2% of ShareGPT conversations, chosen by id hash: never trained on
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
@@ -198,9 +200,10 @@ def target_features(model, ids: torch.Tensor, capture: tuple[int, ...]) -> tuple
 
 
 @torch.inference_mode()
-def write_shard(path: Path, model, capture, seqs: list[tuple[list[int], list[int]]], batch_tokens: int):
-    """Target features of `seqs` (ids, mask) into one shard; sequences are batched by similar length so
-    padding stays small, and written back in their given order."""
+def write_shard(path: Path, model, capture, seqs: list[tuple[list[int], list[int]]], batch_tokens: int,
+                device: torch.device | str = "cpu"):
+    """Target features of `seqs` (ids, mask) into one shard, computed on `device` (where `model` lives);
+    sequences are batched by similar length so padding stays small, and written back in their given order."""
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
     hidden, feature, top1 = [None] * len(seqs), [None] * len(seqs), [None] * len(seqs)
     i = 0
@@ -212,11 +215,11 @@ def write_shard(path: Path, model, capture, seqs: list[tuple[list[int], list[int
         ids = torch.zeros(j - i, S, dtype=torch.long)
         for b, k in enumerate(order[i:j]):
             ids[b, :len(seqs[k][0])] = torch.tensor(seqs[k][0])
-        hid, feat = target_features(model, ids, capture)
+        hid, feat = target_features(model, ids.to(device), capture)
         for b, k in enumerate(order[i:j]):
             n = len(seqs[k][0])
-            hidden[k], feature[k] = hid[b, :n].to(torch.bfloat16), feat[b, :n].to(torch.bfloat16)
-            top1[k] = model.logits(feat[b, :n]).argmax(-1).int()
+            hidden[k], feature[k] = hid[b, :n].to("cpu", torch.bfloat16), feat[b, :n].to("cpu", torch.bfloat16)
+            top1[k] = model.logits(feat[b, :n]).argmax(-1).int().cpu()
         i = j
     lens = torch.tensor([0] + [len(s[0]) for s in seqs])
     tensors = {
@@ -272,11 +275,14 @@ def token_counts(root: str | Path, target_vocab: int, assistant_only: bool = Tru
 # ------------------------------------------------------------------------------------------------- CLI
 
 def build_cache(args):
+    """Generation and features on `args.device`, in fp32 (the features the heads are trained on)."""
     from .llm import LLM
+    device = resolve_device(args.device)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    llm = LLM(args.model, max_batch=args.gen_batch, kv_cache_gb=args.kv_cache_gb, seed=args.seed)
+    llm = LLM(args.model, "float32", device=str(device), max_batch=args.gen_batch, kv_cache_gb=args.kv_cache_gb,
+              seed=args.seed)
     capture = llm.cfg.eagle3_layers
     convs = _source(args)
     done = len(shard_paths(out))  # resume: shards are written whole and in order
@@ -289,7 +295,7 @@ def build_cache(args):
         seqs = [chat_tokens(llm.tokenizer, m, args.max_len) for m in chunk]
         seqs = [s for s in seqs if sum(s[1]) > 0]
         write_shard(out / f"shard_{k // args.shard_convs:05d}.safetensors", llm.model, capture, seqs,
-                    args.batch_tokens)
+                    args.batch_tokens, device)
         print(f"shard {k // args.shard_convs}: {len(seqs)} seqs, {sum(len(s[0]) for s in seqs)} tokens",
               flush=True)
     meta = {"model": args.model, "capture": list(capture), "hidden_size": llm.cfg.hidden_size,
@@ -308,7 +314,7 @@ def _source(args) -> list[list[dict]]:
     return convs
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Build a cached target-feature training set for draft heads.")
     p.add_argument("--out", required=True)
     p.add_argument("--model", default="smollm2-135m")
@@ -326,8 +332,17 @@ def main(argv=None):
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    build_cache(p.parse_args(argv))
+    add_device_arg(p)
+    args = p.parse_args(argv)
+    from .loader import ModelNotFoundError
+    try:
+        resolve_device(args.device)  # before the model is loaded
+        build_cache(args)
+    except (ModelNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .data import build_draft_vocab, shard_paths, token_counts
+from .device import add_device_arg, resolve_device
 from .heads import DraftHead, load_head, new_head
 from .train_ttt import eagle1_loss, eagle3_loss
 
@@ -193,13 +195,14 @@ def export_head(head: DraftHead, target, path: Path, dtype: str):
 # ------------------------------------------------------------------------------------------------ loop
 
 def train(args, target=None) -> dict:
-    """Runs (or resumes) training to `args.steps`; returns the last logged record."""
+    """Runs (or resumes) training to `args.steps` on `args.device`; returns the last logged record.
+    A `target` passed in is moved to that device."""
     from tqdm import tqdm
     if args.rebuild_vocab and not (args.init and args.head == "eagle3"):
         raise ValueError("--rebuild-vocab moves a trained EAGLE-3 head (--init) to a new draft vocabulary; "
                          "a fresh head builds its vocabulary from --data anyway")
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
     if world > 1:
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
         if device.type == "cuda":
@@ -210,14 +213,14 @@ def train(args, target=None) -> dict:
     if target is None:
         from .loader import load_model
         target = load_model(args.model, torch.float32, str(device))[0]
-    target.requires_grad_(False)
+    target.to(device).requires_grad_(False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     head = make_head(args, target).to(device)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     state = {"step": 0, "epoch": 0, "batch": 0, "export_dtype": args.export_dtype, "elapsed": 0.0}
     if args.resume and (out / "ckpt.pt").exists():
-        ck = torch.load(out / "ckpt.pt", weights_only=True)
+        ck = torch.load(out / "ckpt.pt", weights_only=True, map_location="cpu")  # a GPU run resumes on a CPU
         head.load_state_dict(ck["head"])
         opt.load_state_dict(ck["opt"])
         state.update(ck["state"])
@@ -293,16 +296,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--stop-after", type=int, default=0, help="stop (with a checkpoint) after this many steps "
                    "of this invocation: training in resumable pieces")
-    p.add_argument("--device", default="cpu")
+    add_device_arg(p)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
-def main(argv=None):
-    print(json.dumps(train(parser().parse_args(argv))))
+def main(argv=None) -> int:
+    from .loader import ModelNotFoundError
+    args = parser().parse_args(argv)
+    try:
+        resolve_device(args.device)  # before any data or model is read
+        rec = train(args)
+    except (ModelNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(rec))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

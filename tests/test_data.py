@@ -162,3 +162,15 @@ def test_write_shard_roundtrip(tmp_path):
     counts = data.token_counts(tmp_path, 64)
     want = torch.bincount(s["input_ids"].long()[s["loss_mask"].bool()], minlength=64)
     assert torch.equal(counts, want)
+
+
+def test_cli_builds_a_cache_on_the_chosen_device(tmp_path):
+    out = tmp_path / "cache"
+    rc = data.main(["--out", str(out), "--source", "humaneval", "--num", "2", "--max-new-tokens", "4",
+                    "--max-len", "512", "--shard-convs", "2", "--gen-batch", "2", "--kv-cache-gb", "0.05",
+                    "--threads", "1", "--device", "cpu"])
+    assert rc == 0
+    s = data.load_shard(out / "shard_00000.safetensors")
+    assert s["cu_seqlens"].numel() == 3 and s["loss_mask"].sum() > 0
+    assert s["hidden"].device.type == "cpu" and s["hidden"].shape[1] == 3 * 576
+    assert json.loads((out / "meta.json").read_text())["source"] == "humaneval"

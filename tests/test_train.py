@@ -135,7 +135,7 @@ def write_tiny_data(tmp_path, model, n_seqs=24, seed=0):
 def args_for(root, out, *extra):
     return parser().parse_args(["--data", str(root), "--out", str(out), "--draft-vocab", "48", "--seq-len", "64",
                                 "--ttt-steps", "3", "--lr", "3e-3", "--warmup", "3", "--threads", "1", "--quiet",
-                                *extra])
+                                "--device", "cpu", *extra])
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])

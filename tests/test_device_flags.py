@@ -1,0 +1,70 @@
+"""`--device` on the training/data commands and the benchmarks: a CUDA request without a GPU is one line on
+stderr and exit code 2, before any model or data is read."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = {
+    "train": ["-m", "engine.train", "--data", "no-such-dir", "--out", "{tmp}/run"],
+    "data": ["-m", "engine.data", "--out", "{tmp}/cache"],
+    "e2e_vanilla": ["benchmarks/e2e_vanilla.py"],
+    "e2e_speculative": ["benchmarks/e2e_speculative.py"],
+    "verify_cost": ["benchmarks/verify_cost.py"],
+    "gpu_check": ["benchmarks/gpu_check.py", "--phases", "methods", "--out", "{tmp}/check"],
+}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the no-GPU error")
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_device_cuda_without_a_gpu_is_one_line_and_exit_code_2(name, tmp_path):
+    args = [a.format(tmp=tmp_path) for a in COMMANDS[name]]
+    r = subprocess.run([sys.executable, *args, "--device", "cuda"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --device cuda"), r.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def test_train_and_data_parse_the_shared_flag():
+    from engine import data, train
+    assert train.parser().parse_args(["--data", "d", "--out", "o"]).device == "auto"
+    with pytest.raises(SystemExit):
+        train.parser().parse_args(["--data", "d", "--out", "o", "--device", "tpu"])
+    with pytest.raises(SystemExit):
+        data.main(["--out", "o", "--device", "tpu"])
+
+
+def test_gpu_check_engine_helpers_on_cpu(tmp_path):
+    """benchmarks/gpu_check.py's engine-facing helpers against today's engine API, at toy scale."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check as gc
+    from dataclasses import replace
+    cpu = torch.device("cpu")
+    cfg = replace(gc.tiny_config(), vocab_size=512, hidden_size=64, intermediate_size=128, head_dim=16,
+                  max_position=512)
+    model = gc.random_llama(cfg, torch.float32, cpu)
+    assert model.rotary.cos.dtype == torch.float32 and torch.isfinite(model.rotary.cos).all()
+    vanilla = gc.build_llm(model, cfg, "float32", cpu, kv_cache_gb=0.01)
+    prompt = list(range(3, 40))
+    ref, stats = gc.generate(vanilla, [prompt], 6)
+    assert len(ref[0]) == 6 and gc.round_ms(stats)["step_ms"] > 0
+    gc.extend(vanilla, prompt)
+    depths, mask = gc.tree_index([-1, 0, 0, 1, 1, 2], cpu)
+    assert depths.tolist() == [[0, 1, 1, 2, 2, 2]]
+    gc.verify_forward(vanilla, torch.tensor([[5, 6, 7, 8, 9, 10]]), depths, mask)
+    assert vanilla.scheduler.blocks.length(gc.VERIFY_SEQ) == len(prompt)
+    gc.release(vanilla)
+    gc.save_random_eagle3_head(model, tmp_path / "head", draft_vocab=128)
+    eagle = gc.build_llm(model, cfg, "float32", cpu, "eagle3",
+                         {"head": str(tmp_path / "head"), "depth": 3, "topk": 4, "tree_tokens": 8}, kv_cache_gb=0.01,
+                         timing=True)
+    out, stats = gc.generate(eagle, [prompt], 6)
+    split = gc.round_ms(stats)
+    assert out == ref and split["draft_ms"] > 0 and split["verify_ms"] > 0 and split["tau"] >= 1
+    assert gc.report({"phases": {}}).startswith("# GPU check")
