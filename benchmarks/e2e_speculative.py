@@ -124,7 +124,8 @@ def main():
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
-    llm = LLM(args.model, args.dtype, device=str(device), max_batch=args.batch, threads=args.threads)
+    llm = LLM(args.model, args.dtype, device=str(device), max_batch=args.batch, threads=args.threads,
+              timing=True)
     fits = lambda ids: len(ids) <= args.max_prompt_tokens
     datasets = {"ShareGPT held-out": [p for p in map(llm.chat_ids, heldout_prompts(4 * args.prompts)) if fits(p)],
                 "HumanEval": [p for p in map(llm.chat_ids, humaneval_prompts(4 * args.prompts)) if fits(p)]}
