@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def run_cli(*args, timeout=300):
@@ -37,3 +38,11 @@ def test_prompt_longer_than_context_and_json_output(tmp_path):
 
     r = run_cli("--method", "vanilla", "--raw", "word " * 9000)
     assert r.returncode == 2 and "context" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_a_gpu_is_a_one_line_error(capsys):
+    from engine.run import main
+    assert main(["--device", "cuda", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --device cuda: no CUDA device available")
