@@ -144,10 +144,13 @@ def verify_forward(llm, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: t
         rope = g.meta.prefix_lens[:, None] + g.inputs["depths"]
         feature, _ = runner.model(g.inputs["ids"].flatten(), rope.flatten(), runner.layers, g.meta)
         return runner.model.logits(feature)
-    g = runner.graph(("gpu_check_verify", M), plan, fn, {
+    g = runner.graph(VERIFY_GRAPHS, (id(runner), M), plan, fn, {
         "ids": ((1, M), torch.int64), "depths": ((1, M), torch.int32), "tree_mask": (tuple(tree_mask.shape), torch.int32)})
     g.run(plan, ids=tokens, depths=depths, tree_mask=tree_mask)
     blocks.truncate(seq_id, prefix)
+
+
+VERIFY_GRAPHS: dict = {}  # (runner, tree size) -> the verify step's StepGraph, kept across calls
 
 
 def release(llm, seq_id: int = VERIFY_SEQ):
