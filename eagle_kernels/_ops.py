@@ -120,9 +120,24 @@ def check_silu_and_mul(x):
         raise ValueError(f"silu_and_mul: the last dim must be even, got {x.shape[-1]}")
 
 
+# A model's layers call an op with one step's metadata tensors (slots, tables, cos/sin) and same-shaped
+# activations and caches: a check that passed is not repeated for the same metadata objects (held here, so
+# their ids stay theirs) with the same shapes. The ops keep their own checks behind this one.
+_passed: dict[str, tuple] = {}
+
+
+def _seen(op: str, shapes: tuple, metadata: tuple) -> bool:
+    last = _passed.get(op)
+    return last is not None and last[0] == shapes and all(a is b for a, b in zip(last[1], metadata))
+
+
 def check_rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads: int):
     """The arguments eagle::rope_write_kv accepts (ValueError otherwise); on CPU tensors also every slot
     in range, checked in C++ without a throw."""
+    key = (getattr(qkv, "shape", None), getattr(k_cache, "shape", None), getattr(v_cache, "shape", None),
+           num_q_heads), (cos, sin, slot_mapping)
+    if _seen("rope_write_kv", *key):
+        return
     _check_rows(qkv, "rope_write_kv")
     tensors = (cos, sin, k_cache, v_cache, slot_mapping)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
@@ -145,16 +160,22 @@ def check_rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_hea
         raise ValueError("rope_write_kv: slot_mapping must be int64 or int32 [T]")
     if qkv.device.type == "cpu":
         raise_if(ops().index_errors(slot_mapping, k_cache.shape[0] * k_cache.shape[1], "rope_write_kv: slot_mapping"))
+    _passed["rope_write_kv"] = key
 
 
 def check_paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask=None):
     """Every check of the C++ CPU paged_attention (shapes, dtypes, devices, then cu_seqlens, prefix lengths
     and block ids), in one C++ call that returns its verdict instead of throwing (ValueError here)."""
+    key = (getattr(q, "shape", None), getattr(k_cache, "shape", None), getattr(v_cache, "shape", None)), \
+        (block_tables, cu_seqlens_q, prefix_lens, tree_mask)
+    if _seen("paged_attention", *key):
+        return
     tensors = (q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens)
     if not all(isinstance(t, torch.Tensor) for t in tensors + (() if tree_mask is None else (tree_mask,))):
         raise ValueError("paged_attention: q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens and "
                          "tree_mask must be tensors")
     raise_if(ops().paged_attention_errors(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask))
+    _passed["paged_attention"] = key
 
 
 def openmp_runtimes() -> list[str]:

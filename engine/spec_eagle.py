@@ -2,15 +2,15 @@
 the target verifies the whole tree in one forward.
 
 The head reads pairs: pair t = (hidden_t, token_{t+1}) sits at position t. Between rounds the head's cache
-holds the pairs t < L - 1 (L = the target's cached tokens) and `pending[seq]` keeps hidden_{L-1}, the
-target feature whose pair with the root token (token L) opens the next round. A round:
-1. draft: forward d (d = 1 .. depth) feeds the drafted history - the root pair and every frontier expanded
-   so far, with its ancestor mask - and expands the newest frontier (trees.py policies). Drafted nodes are
-   re-fed, not cached: paged attention lets new tokens see every cached token, so a cached draft would be
-   visible to its cousins.
+holds the pairs t < L (L = the target's cached tokens; pair L - 1 is the root pair, its token the root) and
+`root[seq]` keeps that pair's input hidden and the head's output there. A round:
+1. draft: the root's output gives the depth-1 candidates; forward d (d = 2 .. depth) feeds the drafted
+   history - the root pair again and every frontier expanded so far, with its ancestor mask - and expands
+   the newest frontier (trees.py policies). Drafts are re-fed, not cached: paged attention lets new tokens
+   see every cached token, so a cached draft would be visible to its cousins.
 2. verify (decoding.SpeculativeDecoder.verify): root + tree in one target forward, lossless acceptance.
-3. catch up: the head caches the root pair and the accepted path's pairs; the last accepted node's
-   feature becomes the next pending hidden (its pair with the bonus token opens the next round).
+3. catch up: the head consumes (target feature at t, token t + 1) for the accepted path and the bonus
+   token; the last of these pairs is the next root pair.
 """
 from __future__ import annotations
 
@@ -66,52 +66,51 @@ class EagleDecoder(SpeculativeDecoder):
         self.capture = head.capture
         self.kv = runner.new_cache(1, head.cfg.num_kv_heads, head.cfg.head_dim)
         self.head_layers = kv_layers(self.kv)
-        self.pending: dict[int, torch.Tensor] = {}  # seq_id -> hidden [H] of the root's pair
+        self.root: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # seq_id -> root pair's (hidden, output) [H]
         fed = sum(tree.frontier_sizes())
         # Verification writes the tree at L ..; drafting the history at L - 1 ..
         self.lookahead = max(tree.verify_tokens, fed - 1)
 
     def release(self, seq_ids):
         for sid in seq_ids:
-            self.pending.pop(sid, None)
+            self.root.pop(sid, None)
 
     def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
         first, feature, captured, cu = self.prefill_target(seqs, self.capture)
         hidden = self.head.target_feature(feature, captured)                               # [T, H]
-        rows, tokens, counts = [], [], []
-        for s, c in zip(seqs, cu):
-            n = len(s.prompt_ids) - 1
-            rows += range(c, c + n)
-            tokens += s.prompt_ids[1:]
-            counts.append(n)
-            self.pending[s.seq_id] = hidden[c + n]
-        self._feed(seqs, [0] * len(seqs), counts, tokens, hidden, rows)
+        rows = list(range(cu[-1]))
+        tokens = [t for s, f in zip(seqs, first) for t in s.prompt_ids[1:] + [f]]
+        self._feed(seqs, [0] * len(seqs), [len(s.prompt_ids) for s in seqs], tokens, hidden, rows)
         return [[t] for t in first]
 
     def _feed(self, seqs, starts, counts, tokens, source, rows):
-        """Cache the pairs (source[rows[i]], tokens[i]), counts[b] of them from position starts[b]."""
-        if not tokens:
-            return
+        """Cache the pairs (source[rows[i]], tokens[i]), counts[b] of them from position starts[b]; each
+        sequence's last pair becomes its root pair."""
         meta, pos, ids = self.runner.meta(self.plan(seqs, starts, counts), ids=tokens)
         hidden = source.index_select(0, self.runner.index(rows))
-        self.head(ids, hidden, pos, self.head_layers[0], meta)
+        out = self.head(ids, hidden, pos, self.head_layers[0], meta)
+        end = 0
+        for s, n in zip(seqs, counts):
+            end += n
+            self.root[s.seq_id] = (hidden[end - 1], out[end - 1])
 
     def draft(self, seqs: list[Sequence]):
         head, policy, runner = self.head, self.tree, self.runner
         B = len(seqs)
         caps = depth_caps(seqs, self.model.cfg.max_position)
         tree = Tree.roots(runner.to_device([s.all_ids[-1] for s in seqs]))
-        pending = torch.stack([self.pending[s.seq_id] for s in seqs])                       # [B, H]
-        front = torch.zeros(B, 1, dtype=torch.int64, device=pending.device)                 # node ids
-        history, out = front, None
-        plan_starts = [cached_len(s) - 1 for s in seqs]
+        root_hidden = torch.stack([self.root[s.seq_id][0] for s in seqs])                  # [B, H]
+        out = torch.stack([self.root[s.seq_id][1] for s in seqs])[:, None]                  # [B, 1, H]
+        front = torch.zeros(B, 1, dtype=torch.int64, device=out.device)                     # node ids
+        history = front
+        starts = [cached_len(s) - 1 for s in seqs]
         for depth in range(1, min(policy.depth, max(caps)) + 1):
-            fed = tree.subtree(history)                                                     # [B, n]
-            parent = fed.parents.long()
-            hidden = pending[:, None].expand(-1, parent.shape[1], -1) if out is None else torch.where(
-                (parent < 0)[..., None], pending[:, None],
-                out.gather(1, parent.clamp(min=0)[..., None].expand(-1, -1, out.shape[-1])))
-            out = self._forward(seqs, plan_starts, fed, hidden)                              # [B, n, H]
+            if depth > 1:
+                fed = tree.subtree(history)                                                 # [B, n]
+                parent = fed.parents.long()
+                hidden = torch.where((parent < 0)[..., None], root_hidden[:, None],
+                                     out.gather(1, parent.clamp(min=0)[..., None].expand(-1, -1, out.shape[-1])))
+                out = self._forward(seqs, starts, fed, hidden)                               # [B, n, H]
             F = front.shape[1]
             tree, front = policy.expand(tree, head.logits(out[:, -F:]), front, depth, head.d2t)
             history = torch.cat([history, front], 1)
@@ -130,8 +129,7 @@ class EagleDecoder(SpeculativeDecoder):
         return out.view(Bp, n, -1)[:B]
 
     def _draft_fn(self, g):
-        Bp, n = g.inputs["ids"].shape
-        # The pair of a depth-d node sits d positions after the root's (at L - 1).
+        # The pair of a depth-d node sits d positions after the root pair (at L - 1).
         rope = g.meta.prefix_lens[:, None] + g.inputs["depths"]
         return self.head(g.inputs["ids"].flatten(), g.inputs["hidden"].flatten(0, 1), rope.flatten(),
                          self.head_layers[0], g.meta)
@@ -139,13 +137,6 @@ class EagleDecoder(SpeculativeDecoder):
     def catch_up(self, seqs: list[Sequence], v: Verdict):
         B, N, H = v.feature.shape
         hidden = self.head.target_feature(v.feature.flatten(0, 1), [c.flatten(0, 1) for c in v.captured])
-        pending = torch.stack([self.pending[s.seq_id] for s in seqs])
-        source = torch.cat([pending, hidden])                              # rows: B pending, then B * N nodes
-        rows, tokens, counts = [], [], []
-        for b, (s, path, new) in enumerate(zip(seqs, v.paths, v.new_tokens)):
-            rows += [b] + [B + b * N + i for i in path[:-1]]
-            tokens += [s.all_ids[-1]] + new[:-1]
-            counts.append(len(path))
-        self._feed(seqs, [cached_len(s) - 1 for s in seqs], counts, tokens, source, rows)
-        for b, (s, path) in enumerate(zip(seqs, v.paths)):
-            self.pending[s.seq_id] = hidden[b * N + path[-1]]
+        rows = [b * N + i for b, path in enumerate(v.paths) for i in path]
+        tokens = [t for new in v.new_tokens for t in new]
+        self._feed(seqs, [cached_len(s) for s in seqs], [len(p) for p in v.paths], tokens, hidden, rows)
