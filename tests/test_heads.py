@@ -158,7 +158,7 @@ def paged_forward(head, ids, hidden, chunks, tree_parents=None):
     """Feed the tokens to the head's paged cache in `chunks` (a causal prefix, then optionally a tree);
     -> outputs of every token."""
     from engine.block_manager import BlockManager
-    from engine.model_runner import StepPlan, kv_layers
+    from engine.model_runner import StepPlan
     runner = ModelRunner(head, head.cfg, torch.float32, torch.device("cpu"), 16, 4, head.cfg.max_position)
     blocks = BlockManager(16, 4)
     outs, start = [], 0

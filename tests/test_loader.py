@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.loader import ModelNotFoundError, load_model, resolve_model
+from engine.block_manager import BlockManager
 from engine.model_runner import ModelRunner
 from tests.conftest import write_tiny_llama
 
@@ -15,8 +16,8 @@ LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 
 def our_logits(path, ids, dtype=torch.float32):
     model, cfg, _ = load_model(str(path), dtype)
-    runner = ModelRunner(model, cfg, kv_cache_gb=0.01, block_size=8)
-    feature, _, _ = runner.forward([0], [ids])
+    runner = ModelRunner(model, cfg, dtype, torch.device("cpu"), 32, 8, cfg.max_position)
+    feature, _, _ = runner.forward(BlockManager(32, 8), [0], [ids])
     return model.logits(feature)
 
 
