@@ -101,6 +101,14 @@ def _check_rows(x, op: str):
 def check_rms_norm(x, weight, residual=None):
     """The arguments eagle::rms_norm accepts (ValueError otherwise): x [..., H] float, weight [H] of x's
     dtype, residual a contiguous tensor of x's shape and dtype, all on x's device."""
+    T = torch.Tensor
+    if (isinstance(x, T) and isinstance(weight, T) and x.dtype in _FLOATS and x.dim() >= 1
+            and weight.dim() == 1 and weight.shape[0] == x.shape[-1] and weight.dtype == x.dtype
+            and (residual is None or (isinstance(residual, T) and residual.shape == x.shape
+                                      and residual.dtype == x.dtype and residual.is_contiguous()
+                                      and residual.device == x.device))
+            and weight.device == x.device):
+        return  # the common case in one test; the checks below name what is wrong
     _check_rows(x, "rms_norm")
     H = x.shape[-1]
     if (not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] != H
@@ -115,6 +123,8 @@ def check_rms_norm(x, weight, residual=None):
 
 def check_silu_and_mul(x):
     """x [..., 2I] float (ValueError otherwise)."""
+    if isinstance(x, torch.Tensor) and x.dtype in _FLOATS and x.dim() >= 1 and x.shape[-1] % 2 == 0:
+        return
     _check_rows(x, "silu_and_mul")
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul: the last dim must be even, got {x.shape[-1]}")

@@ -17,6 +17,7 @@ try:
 except ImportError:  # CPU-only installs: C++ / torch serve every device
     triton = None
 
+from . import _ops
 from ._ops import check_rms_norm, check_rope_write_kv, check_silu_and_mul, gpu_path, has_kernel, ops
 from .attention import write_kv
 
@@ -28,24 +29,24 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _cpu_kernel(*tensors) -> bool:
-    """Whether the C++ op may run: CPU tensors and no autograd graph to record."""
-    if not _CPU_OPS or tensors[0].device.type != "cpu":
-        return False
-    return not _needs_grad(*tensors)
-
-
-def _triton_kernel(*tensors) -> bool:
-    """Whether the Triton kernel runs: the GPU path, Triton importable, no autograd graph to record."""
-    return triton is not None and gpu_path(tensors[0]) and not _needs_grad(*tensors)
+def _path(*tensors) -> str:
+    """"triton" (the GPU path, Triton importable), "cpu" (the C++ op) or "torch" (autograd, and the rest).
+    tensors[0] decides the device; this runs once per op per layer, so it stays cheap."""
+    if _needs_grad(*tensors):
+        return "torch"
+    x = tensors[0]
+    if x.is_cuda or _ops._TRITON_ON_CPU:
+        return "triton" if triton is not None and gpu_path(x) else "torch"
+    return "cpu" if _CPU_OPS and x.device.type == "cpu" else "torch"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., H] -> rms_norm(x) * weight. With `residual`: residual += x in place first (in x's dtype) and
     the sum is normalised, the fused add of a pre-norm transformer block."""
-    if _triton_kernel(x, weight, residual):
+    path = _path(x, weight, residual)
+    if path == "triton":
         return rms_norm_triton(x.contiguous(), weight.contiguous(), eps, residual)
-    if _cpu_kernel(x, weight, residual):
+    if path == "cpu":
         check_rms_norm(x, weight, residual)
         return ops().rms_norm(x, weight, eps, residual)
     return rms_norm_torch(x, weight, eps, residual)
@@ -61,9 +62,10 @@ def rms_norm_torch(x, weight, eps, residual=None):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2I] = [gate | up] -> silu(gate) * up: [..., I]."""
-    if _triton_kernel(x):
+    path = _path(x)
+    if path == "triton":
         return silu_and_mul_triton(x.contiguous())
-    if _cpu_kernel(x):
+    if path == "cpu":
         check_silu_and_mul(x)
         return ops().silu_and_mul(x)
     return silu_and_mul_torch(x)
@@ -86,10 +88,11 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     """qkv: [T, (Hq + 2 Hkv) * D] (q, k, v heads); cos, sin: [T, D]. Rotates q and k, writes k and v to
     the cache slots (k_cache, v_cache: [num_blocks, block_size, Hkv, D]) -> rotated q [T, Hq, D], contiguous
     on every path (paged_attention's Triton kernel takes no strided q)."""
-    if _triton_kernel(qkv, cos, sin):
+    path = _path(qkv, cos, sin)
+    if path == "triton":
         return rope_write_kv_triton(qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_cache, v_cache,
                                     slot_mapping.contiguous(), num_q_heads)
-    if _cpu_kernel(qkv, cos, sin):
+    if path == "cpu":
         check_rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads)
         return ops().rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads)
     return rope_write_kv_torch(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads)

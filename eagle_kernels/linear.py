@@ -26,14 +26,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x.float(), weight.float()).to(x.dtype)
 
 
+_BF16, _FP32 = torch.bfloat16, torch.float32
+
+
 def _bf16_cpu_args(x, weight, bias) -> bool:
     """Whether x, weight fit eagle::linear_bf16 and the fp32 fallback: a bf16 [N, K] weight and a bf16 or
     fp32 x [..., K], both CPU tensors, no bias or gradient. Anything else goes to F.linear, whose own
-    checks raise on bad arguments."""
-    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)) or bias is not None:
+    checks raise on bad arguments. (Once per linear layer per step: ordered to fail fast, cheap tests first.)"""
+    if bias is not None or not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         return False
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+    if weight.dtype is not _BF16 or (x.dtype is not _BF16 and x.dtype is not _FP32) or x.is_cuda:
         return False
-    if x.device.type != "cpu" or weight.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1] or weight.is_cuda:
+        return False
+    if x.device.type != "cpu" or weight.device.type != "cpu":
         return False
     return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
