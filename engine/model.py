@@ -18,7 +18,7 @@ from .config import LlamaConfig
 @dataclass
 class AttnMeta:
     """Per-step attention metadata, built once by the model runner and shared by every layer."""
-    slot_mapping: torch.Tensor   # int64 [T]: cache slot (block * block_size + offset) of each new token
+    slot_mapping: torch.Tensor   # int64 [T] (widened once per step): cache slot (block * block_size + offset) of each new token
     block_tables: torch.Tensor   # int32 [B, max_blocks]
     cu_seqlens_q: torch.Tensor   # int32 [B + 1]: new tokens of sequence b are q[cu[b]:cu[b+1]]
     prefix_lens: torch.Tensor    # int32 [B]: tokens already cached before the new ones

@@ -95,7 +95,9 @@ class ModelRunner:
     def meta(self, plan: StepPlan, ids: list[int] | None = None, tree_mask=None):
         """-> (AttnMeta, cache positions int32 [T], ids int32 [T] or None), all from one copy."""
         buf = self._staging.to_device(self._plan_ints(plan, ids))
-        return self._views(buf, plan, tree_mask, ids is not None)
+        meta, pos, ids = self._views(buf, plan, tree_mask, ids is not None)
+        meta.slot_mapping = meta.slot_mapping.long()  # widened once per step, not in every layer
+        return meta, pos, ids
 
     @torch.inference_mode()
     def forward(self, blocks, seq_ids: list[int], tokens: list[list[int]], capture: tuple[int, ...] = ()):
@@ -177,6 +179,8 @@ class StepGraph:
         n = len(runner._plan_ints(plan, None))
         self.buf = torch.zeros(n, dtype=torch.int32, device=runner.device)
         self.meta, self.positions, _ = runner._views(self.buf, plan)
+        self.slots = self.meta.slot_mapping                  # int32 view of buf; widened by run()
+        self.meta.slot_mapping = torch.zeros(self.slots.shape, dtype=torch.int64, device=runner.device)
         self.inputs = {k: torch.zeros(shape, dtype=dtype, device=runner.device) for k, (shape, dtype) in
                        inputs.items()}
         if "tree_mask" in self.inputs:  # rows no caller fills (padded sequences) see themselves
@@ -189,6 +193,7 @@ class StepGraph:
 
     def run(self, plan: StepPlan, **inputs):
         self.runner._staging.to_device(self.runner._plan_ints(plan, None), out=self.buf)
+        self.meta.slot_mapping.copy_(self.slots)
         for k, v in inputs.items():  # the first rows: padded ones keep what they hold
             self.inputs[k][:v.shape[0]].copy_(v, non_blocking=True)
         if not self.runner.cuda_graphs:
