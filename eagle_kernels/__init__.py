@@ -3,7 +3,7 @@
 Public functions pick the implementation by device (Triton on CUDA, C++ / torch on CPU). Contracts:
 DESIGN.md. This package knows nothing of `engine`.
 """
-from ._ops import gpu_path, triton_on_cpu
+from ._ops import gpu_path, triton_on_cpu, unchecked
 from .attention import move_kv, paged_attention, write_kv
 from .expand import topk_expand
 from .layer_ops import apply_rope, rms_norm, rope_write_kv, silu_and_mul
@@ -14,5 +14,5 @@ from .tree import TreeIndex, build_tree
 
 __all__ = [
     "linear", "rms_norm", "silu_and_mul", "apply_rope", "rope_write_kv", "paged_attention", "write_kv", "move_kv", "topk_expand", "sampling_probs",
-    "build_tree", "TreeIndex", "gpu_path", "triton_on_cpu", "tree_accept_greedy", "tree_accept_sample",
+    "build_tree", "TreeIndex", "gpu_path", "triton_on_cpu", "unchecked", "tree_accept_greedy", "tree_accept_sample",
 ]

@@ -31,6 +31,22 @@ def triton_on_cpu(enabled: bool = True):
         _TRITON_ON_CPU = old
 
 
+# Argument checks before the C++ CPU ops (below) guard every caller; `unchecked()` lets a caller that built
+# the arguments itself - the engine's model forward, once per layer per step - skip them. The ops keep
+# their own checks behind these.
+CHECKED = True
+
+
+@contextlib.contextmanager
+def unchecked():
+    global CHECKED
+    old, CHECKED = CHECKED, False
+    try:
+        yield
+    finally:
+        CHECKED = old
+
+
 def gpu_path(t: torch.Tensor) -> bool:
     """Whether `t` takes the GPU implementations: CUDA tensors, and CPU tensors inside triton_on_cpu()."""
     return t.is_cuda or (_TRITON_ON_CPU and t.device.type == "cpu")

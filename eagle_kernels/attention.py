@@ -17,6 +17,7 @@ try:
 except ImportError:  # CPU-only installs: the torch path serves every device
     triton = None
 
+from . import _ops
 from ._ops import check_paged_attention_cpu, gpu_path, has_kernel, ops
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -68,7 +69,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens
     if gpu_path(q) and triton is not None:
         return paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
     if q.device.type == "cpu" and _CPU_KERNEL and _cpu_kernel_wins(cu_seqlens_q, max_seqlen_q):
-        check_paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask)
+        if _ops.CHECKED:
+            check_paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask)
         return ops().paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
     return paged_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
 

@@ -47,7 +47,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if path == "triton":
         return rms_norm_triton(x.contiguous(), weight.contiguous(), eps, residual)
     if path == "cpu":
-        check_rms_norm(x, weight, residual)
+        if _ops.CHECKED:
+            check_rms_norm(x, weight, residual)
         return ops().rms_norm(x, weight, eps, residual)
     return rms_norm_torch(x, weight, eps, residual)
 
@@ -66,7 +67,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if path == "triton":
         return silu_and_mul_triton(x.contiguous())
     if path == "cpu":
-        check_silu_and_mul(x)
+        if _ops.CHECKED:
+            check_silu_and_mul(x)
         return ops().silu_and_mul(x)
     return silu_and_mul_torch(x)
 
@@ -93,7 +95,8 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         return rope_write_kv_triton(qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_cache, v_cache,
                                     slot_mapping.contiguous(), num_q_heads)
     if path == "cpu":
-        check_rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads)
+        if _ops.CHECKED:
+            check_rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads)
         return ops().rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads)
     return rope_write_kv_torch(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads)
 

@@ -69,13 +69,12 @@ class VanillaDecoder(Decoder):
         B = len(seqs)
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [1] * B)
         Bp = self.runner.batch_rows(B)
-        g = self.runner.graph(self.graphs, ("decode", Bp), plan.padded(Bp), self._decode, {"ids": ((Bp,), torch.int64)})
-        ids = self.runner.to_device([s.all_ids[-1] for s in seqs])
-        logits = g.run(plan.padded(Bp), ids=ids)                                     # [Bp, V]
+        g = self.runner.graph(self.graphs, ("decode", Bp), plan.padded(Bp), self._decode, {}, host_ids=True)
+        logits = g.run(plan.padded(Bp), host_ids=[s.all_ids[-1] for s in seqs])       # [Bp, V]
         return [[t] for t in self.sampler(logits[:B], [s.params for s in seqs]).tolist()]
 
     def _decode(self, g):
-        feature, _ = self.model(g.inputs["ids"], g.positions, self.runner.layers, g.meta)
+        feature, _ = self.model(g.ids, g.positions, self.runner.layers, g.meta)
         return self.model.logits(feature)
 
 

@@ -138,10 +138,11 @@ class Llama(nn.Module):
         residual = self.embed_tokens(input_ids)   # [T, H], the hidden state, updated in place
         cos, sin = self.rotary(positions, torch.float32)
         delta, captured = None, []
-        for i, layer in enumerate(self.layers):
-            if i in capture:  # layer i's input: a copy, since the residual keeps changing in place
-                captured.append(residual.clone() if delta is None else residual + delta)
-            delta = layer(delta, residual, cos, sin, kv_caches[i], meta)
+        with eagle_kernels.unchecked():           # every layer's arguments are built here, from meta
+            for i, layer in enumerate(self.layers):
+                if i in capture:  # layer i's input: a copy, since the residual keeps changing in place
+                    captured.append(residual.clone() if delta is None else residual + delta)
+                delta = layer(delta, residual, cos, sin, kv_caches[i], meta)
         return self.norm(delta, residual), captured
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:

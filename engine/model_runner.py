@@ -128,13 +128,14 @@ class ModelRunner:
 
     # --- running ---------------------------------------------------------------------------------------------
 
-    def graph(self, graphs: dict, key: tuple, plan: StepPlan, fn: Callable, inputs: dict[str, tuple]) -> "StepGraph":
+    def graph(self, graphs: dict, key: tuple, plan: StepPlan, fn: Callable, inputs: dict[str, tuple],
+              host_ids: bool = False) -> "StepGraph":
         """The StepGraph of `key` in `graphs` (the caller's: graphs live and die with the decoder whose `fn`
         they run), built on first use: static metadata for plan's shape and static `inputs` (name ->
         (shape, dtype)); `fn(graph)` computes the outputs from graph.meta and graph.inputs."""
         g = graphs.get(key)
         if g is None:
-            g = graphs[key] = StepGraph(self, plan, fn, inputs)
+            g = graphs[key] = StepGraph(self, plan, fn, inputs, host_ids)
         return g
 
 
@@ -171,14 +172,17 @@ class Staging:
 
 class StepGraph:
     """One fixed-shape step: a static int32 metadata buffer, static named inputs and the outputs of `fn`.
-    `run` fills the buffers (one host copy for the metadata, device copies for the inputs) and replays the
-    captured CUDA graph, or calls `fn` eagerly where graphs are off; outputs are the same tensors each time."""
+    `run` fills the buffers (one host copy for the metadata, and the token ids with `host_ids`; device copies
+    for the inputs) and replays the captured CUDA graph, or calls `fn` eagerly where graphs are off; outputs
+    are the same tensors each time."""
 
-    def __init__(self, runner: ModelRunner, plan: StepPlan, fn: Callable, inputs: dict[str, tuple]):
+    def __init__(self, runner: ModelRunner, plan: StepPlan, fn: Callable, inputs: dict[str, tuple],
+                 host_ids: bool = False):
         self.runner, self.fn = runner, fn
-        n = len(runner._plan_ints(plan, None))
+        self.pad_ids = [0] * sum(plan.counts) if host_ids else None
+        n = len(runner._plan_ints(plan, self.pad_ids))
         self.buf = torch.zeros(n, dtype=torch.int32, device=runner.device)
-        self.meta, self.positions, _ = runner._views(self.buf, plan)
+        self.meta, self.positions, self.ids = runner._views(self.buf, plan, with_ids=host_ids)
         self.slots = self.meta.slot_mapping                  # int32 view of buf; widened by run()
         self.meta.slot_mapping = torch.zeros(self.slots.shape, dtype=torch.int64, device=runner.device)
         self.inputs = {k: torch.zeros(shape, dtype=dtype, device=runner.device) for k, (shape, dtype) in
@@ -191,8 +195,10 @@ class StepGraph:
             self.meta.tree_mask = mask
         self.cuda_graph, self.out = None, None
 
-    def run(self, plan: StepPlan, **inputs):
-        self.runner._staging.to_device(self.runner._plan_ints(plan, None), out=self.buf)
+    def run(self, plan: StepPlan, host_ids: list[int] | None = None, **inputs):
+        """host_ids: token ids of the first rows, staged with the metadata (padded rows get token 0)."""
+        ids = None if host_ids is None else host_ids + self.pad_ids[len(host_ids):]
+        self.runner._staging.to_device(self.runner._plan_ints(plan, ids), out=self.buf)
         self.meta.slot_mapping.copy_(self.slots)
         for k, v in inputs.items():  # the first rows: padded ones keep what they hold
             self.inputs[k][:v.shape[0]].copy_(v, non_blocking=True)
