@@ -7,7 +7,7 @@ import sys
 
 from .device import add_device_arg
 from .loader import DEFAULT_MODEL, REGISTRY, ModelNotFoundError
-from .llm import DTYPES, LLM, METHODS
+from .llm import DTYPES, LLM
 from .scheduler import SamplingParams
 
 

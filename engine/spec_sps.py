@@ -76,7 +76,7 @@ class SpSDecoder(SpeculativeDecoder):
     def draft(self, seqs: list[Sequence]):
         """-> chains (root + k drafts) and draft_probs fp32 [B, k + 1, V] (row i = the q that drew node i)
         when a sequence samples, else None."""
-        B, k = len(seqs), self.k
+        k = self.k
         caps = [min(k, c) for c in depth_caps(seqs, self.model.cfg.max_position)]
         params = [s.params for s in seqs]
         sampled = [b for b, p in enumerate(params) if not p.greedy]
