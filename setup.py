@@ -70,9 +70,12 @@ setup(
         "tokenizers",
         "jinja2",
         "tqdm",
+        "fastapi",
+        "uvicorn",
+        "prometheus-client",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-benchmark", "scipy", "accelerate", "matplotlib", "triton"],
+        "dev": ["pytest", "pytest-benchmark", "scipy", "accelerate", "matplotlib", "triton", "openai"],
     },
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension},
