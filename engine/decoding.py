@@ -49,7 +49,7 @@ class Decoder:
         for n in counts:
             cu.append(cu[-1] + n)
         last = self.runner.index([c - 1 for c in cu[1:]])
-        first = self.sampler(self.model.logits(feature.index_select(0, last)), [s.params for s in seqs])
+        first = self.sampler(self.model.logits(feature.index_select(0, last)), seqs)
         return first.tolist(), feature, captured, cu
 
     def release(self, seq_ids: list[int]):
@@ -71,7 +71,7 @@ class VanillaDecoder(Decoder):
         Bp = self.runner.batch_rows(B)
         g = self.runner.graph(self.graphs, ("decode", Bp), plan.padded(Bp), self._decode, {}, host_ids=True)
         logits = g.run(plan.padded(Bp), host_ids=[s.all_ids[-1] for s in seqs])       # [Bp, V]
-        return [[t] for t in self.sampler(logits[:B], [s.params for s in seqs]).tolist()]
+        return [[t] for t in self.sampler(logits[:B], seqs).tolist()]
 
     def _decode(self, g):
         feature, _ = self.model(g.ids, g.positions, self.runner.layers, g.meta)
@@ -159,7 +159,7 @@ class SpeculativeDecoder(Decoder):
             rows = self.runner.index(sampled)
             B, N = tree.tokens.shape
             probs = self.sampler.probs(logits.index_select(0, rows), [seqs[b].params for b in sampled])
-            uniforms = torch.rand(len(sampled), N + 1, generator=self.sampler.generator, device=logits.device)
+            uniforms = self.sampler.noise([seqs[b] for b in sampled], (N + 1,), exponential=False)
             q = None if draft_probs is None else draft_probs.index_select(0, rows)
             out = eagle_kernels.tree_accept_sample(*(a.index_select(0, rows) for a in args), probs, uniforms, q)
             path, length, nxt = (t.index_copy(0, rows.long(), o) for t, o in zip((path, length, nxt), out))

@@ -82,12 +82,13 @@ class LLM:
         self.scheduler.lookahead = self.decoder.lookahead
         return self.decoder
 
-    def chat_ids(self, prompt: str, raw: bool = False) -> list[int]:
-        """A user message through the model's chat template (or the raw text with `raw`)."""
+    def chat_ids(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
+        """A user message, or a list of {"role", "content"} messages, through the model's chat template
+        (or the raw text with `raw`)."""
         if raw:
             return self.tokenizer.encode(prompt)
-        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                 add_generation_prompt=True, tokenize=True)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     @torch.inference_mode()
@@ -100,16 +101,23 @@ class LLM:
         try:
             for seq in seqs:
                 self.scheduler.add(seq)
-            while self.scheduler.has_work:
-                self._round(stats, on_tokens)
+            while self.has_work:
+                self.step(stats, on_tokens)
         except BaseException:
-            self.decoder.release([s.seq_id for s in self.scheduler.running])
-            self.scheduler.abort_all()
+            self.abort_all()
             raise
         stats.extra.update(self.decoder.stats())
         return seqs, stats
 
-    def _round(self, stats: RunStats, on_tokens):
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @torch.inference_mode()
+    def step(self, stats: RunStats, on_tokens: Callable[[Sequence, list[int]], None] | None = None) -> list[Sequence]:
+        """One round: prefill newly admitted requests, else one decoding step of the running batch.
+        `on_tokens(seq, kept)` sees each sequence's new tokens before finished ones retire (it may finish a
+        sequence itself, e.g. on a stop string). -> the sequences that finished."""
         admitted = self.scheduler.admit()
         t0 = time.perf_counter()
         if admitted:
@@ -129,4 +137,19 @@ class LLM:
             stats.new_tokens += len(kept)
             if on_tokens and kept:
                 on_tokens(seq, kept)
-        self.decoder.release([s.seq_id for s in self.scheduler.retire_finished()])
+        done = self.scheduler.retire_finished()
+        self._forget([s.seq_id for s in done])
+        return done
+
+    def abort(self, seq: Sequence):
+        """Cancel a request between rounds: its KV blocks and per-sequence state are released."""
+        self.scheduler.abort(seq)
+        self._forget([seq.seq_id])
+
+    def abort_all(self):
+        self._forget([s.seq_id for s in self.scheduler.running])
+        self.scheduler.abort_all()
+
+    def _forget(self, seq_ids: list[int]):
+        self.decoder.release(seq_ids)
+        self.sampler.release(seq_ids)

@@ -14,6 +14,19 @@ from .scheduler import SamplingParams
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m engine.run", description=__doc__)
     p.add_argument("prompt", nargs="*", help="user message(s); each is put through the chat template")
+    add_engine_args(p, max_batch=16)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--prompts-file", help="JSONL: one prompt per line, a string or {\"prompt\": ...}")
+    p.add_argument("--json", action="store_true", help="no streaming; one JSON object per prompt")
+    p.add_argument("--raw", action="store_true", help="skip the chat template")
+    return p.parse_args(argv)
+
+
+def add_engine_args(p: argparse.ArgumentParser, max_batch: int):
+    """The flags that build the engine (shared by engine.run and engine.serve)."""
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"{', '.join(REGISTRY)}, a HF checkpoint directory or a .gguf file")
     add_device_arg(p)
@@ -22,22 +35,23 @@ def parse_args(argv=None):
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode, draft and verify steps eagerly on a GPU")
     p.add_argument("--method", default=None, help="decoding method (default: the best available)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompts-file", help="JSONL: one prompt per line, a string or {\"prompt\": ...}")
-    p.add_argument("--json", action="store_true", help="no streaming; one JSON object per prompt")
-    p.add_argument("--raw", action="store_true", help="skip the chat template")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="memory budget of the paged KV cache (default 0.5 on a CPU, 80%% of free memory on a GPU)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--max-batch", type=int, default=max_batch, help="most sequences in the running batch")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     for flag, kw in METHOD_FLAGS:
         p.add_argument(flag, **kw)
-    return p.parse_args(argv)
+
+
+def build_llm(args) -> LLM:
+    """The engine the flags of `add_engine_args` describe (ModelNotFoundError / ValueError on bad ones)."""
+    method_args = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _ in METHOD_FLAGS}
+    return LLM(args.model, args.dtype, device=args.device, cuda_graphs=args.cuda_graphs,
+               kv_cache_gb=args.kv_cache_gb, block_size=args.block_size, max_batch=args.max_batch,
+               seed=args.seed, method=args.method or default_method(),
+               method_args={k: v for k, v in method_args.items() if v is not None}, threads=args.threads)
 
 
 # Flags the speculative methods read from `method_args` (unset ones keep each method's default).
@@ -93,11 +107,7 @@ def main(argv=None) -> int:
     try:
         params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens).validate()
         prompts = read_prompts(args)
-        method_args = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-                       for flag, _ in METHOD_FLAGS}
-        llm = LLM(args.model, args.dtype, device=args.device, cuda_graphs=args.cuda_graphs, kv_cache_gb=args.kv_cache_gb, block_size=args.block_size,
-                  max_batch=args.max_batch, seed=args.seed, method=args.method or default_method(),
-                  method_args={k: v for k, v in method_args.items() if v is not None}, threads=args.threads)
+        llm = build_llm(args)
         ids = [llm.chat_ids(p, args.raw) for p in prompts]
         stream = not args.json and len(prompts) == 1
         seqs, stats = llm.generate(ids, params, on_tokens=Streamer(llm.tokenizer) if stream else None)

@@ -1,20 +1,42 @@
 """Token sampling without host syncs: argmax for greedy rows, the exponential race for sampled rows.
 
 argmax(p / E) with E ~ Exp(1) i.i.d. is an exact draw from p (the gpt-fast trick): no cumsum, no
-multinomial, no device->host copy.
+multinomial, no device->host copy. A request with a seed draws its noise from its own generator, so its
+draws do not depend on what else is in the batch; the others share the engine's generator.
 """
 from __future__ import annotations
 
 import torch
 
 import eagle_kernels
-from .scheduler import SamplingParams
+from .scheduler import SamplingParams, Sequence
 
 
 class Sampler:
     def __init__(self, seed: int, device: torch.device, runner):
+        self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.runner = runner
+        self.seeded: dict[int, torch.Generator] = {}  # seq_id -> its own generator (params.seed set)
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        if seq.params.seed is None:
+            return self.generator
+        if seq.seq_id not in self.seeded:
+            self.seeded[seq.seq_id] = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        return self.seeded[seq.seq_id]
+
+    def noise(self, seqs: list[Sequence], shape: tuple[int, ...], exponential: bool) -> torch.Tensor:
+        """[len(seqs), *shape] fp32: Exp(1) or U[0, 1) draws, each row from its sequence's generator."""
+        fill = (lambda t, g: t.exponential_(generator=g)) if exponential else (lambda t, g: t.uniform_(generator=g))
+        gens = [self._generator(s) for s in seqs]
+        if all(g is self.generator for g in gens):
+            return fill(torch.empty(len(seqs), *shape, device=self.device), self.generator)
+        return torch.stack([fill(torch.empty(shape, device=self.device), g) for g in gens])
+
+    def release(self, seq_ids: list[int]):
+        for sid in seq_ids:
+            self.seeded.pop(sid, None)
 
     def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Target distributions after temperature / top-k / top-p; logits: [B, ..., V] -> fp32, same shape.
@@ -22,16 +44,17 @@ class Sampler:
         return eagle_kernels.sampling_probs(logits, [p.temperature for p in params], [p.top_k for p in params],
                                             [p.top_p for p in params])
 
-    def draw(self, probs: torch.Tensor) -> torch.Tensor:
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        return (probs / noise).argmax(dim=-1)
+    def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        # probs: [B, V], one row per sequence -> tokens int64 [B]
+        return (probs / self.noise(seqs, probs.shape[1:], exponential=True)).argmax(dim=-1)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         # logits: [B, V] -> tokens int64 [B]
         tokens = logits.argmax(dim=-1)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             rows = self.runner.index(sampled)
-            drawn = self.draw(self.probs(logits.index_select(0, rows), [params[i] for i in sampled]))
+            drawn = self.draw(self.probs(logits.index_select(0, rows), [seqs[i].params for i in sampled]),
+                              [seqs[i] for i in sampled])
             tokens = tokens.index_copy(0, rows.long(), drawn)
         return tokens

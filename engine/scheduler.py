@@ -23,6 +23,7 @@ class SamplingParams:
     top_k: int = 0                # 0 = off
     max_new_tokens: int = 128
     ignore_eos: bool = False
+    seed: int | None = None       # a request's own random stream (None: the engine's shared one)
 
     def validate(self):
         if self.max_new_tokens <= 0:
@@ -49,7 +50,7 @@ class Sequence:
     params: SamplingParams
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None   # "stop" (EOS) or "length"
+    finish_reason: str | None = None   # "stop" (EOS, or a stop string seen by the caller), "length", "abort"
     stats: dict = field(default_factory=dict)
 
     @property
@@ -81,6 +82,11 @@ class Scheduler:
         return self.blocks.blocks_for(tokens)
 
     def add(self, seq: Sequence):
+        self.check(seq)
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence):
+        """Raise ValueError (a one-line reason) if `seq` can never run here; reads only fixed settings."""
         seq.params.validate()
         if not seq.prompt_ids:
             raise ValueError("empty prompt")
@@ -90,7 +96,6 @@ class Scheduler:
         if self._worst_case_blocks(seq) > self.blocks.num_blocks:
             raise ValueError(f"request needs {self._worst_case_blocks(seq)} KV blocks, the pool has "
                              f"{self.blocks.num_blocks} (raise --kv-cache-gb or lower --max-new-tokens)")
-        self.waiting.append(seq)
 
     def admit(self) -> list[Sequence]:
         """Move waiting requests into the running batch while their worst case fits; returns them."""
@@ -142,6 +147,16 @@ class Scheduler:
             self.blocks.free(seq.seq_id)
             self._reserved.pop(seq.seq_id, None)
         return done
+
+    def abort(self, seq: Sequence):
+        """Drop a waiting or running request now (a client went away); its blocks return to the pool."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free(seq.seq_id)
+            self._reserved.pop(seq.seq_id, None)
+        seq.finish_reason = seq.finish_reason or "abort"
 
     def abort_all(self):
         """Free everything (an error mid-batch must not leak blocks)."""

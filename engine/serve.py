@@ -1,0 +1,346 @@
+"""OpenAI-compatible HTTP server: `python -m engine.serve` (FastAPI on uvicorn).
+
+    POST /v1/chat/completions, /v1/completions   (streamed as server-sent events with "stream": true)
+    GET  /v1/models, /health, /metrics           (Prometheus text format; engine/metrics.py)
+
+Requests are checked before they reach the engine: anything malformed gets a 4xx with an OpenAI-style
+{"error": {...}} body; a full waiting queue answers 503. A client that disconnects has its request
+cancelled and its KV blocks returned (engine/serving.py).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+import uuid
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .loader import ModelNotFoundError
+from .run import add_engine_args, build_llm, default_method
+from .scheduler import SamplingParams
+from .serving import AsyncEngine, QueueFull, Request as EngineRequest
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.kind, self.param, self.code)
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+# --- request bodies (unknown fields are ignored, as OpenAI's own server does for most) -----------------
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class Sampling(_Body):
+    """The fields both endpoints share. Extensions beyond OpenAI's: top_k, ignore_eos (as vLLM)."""
+    model: str
+    max_tokens: int | None = Field(None, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    logprobs: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class ChatBody(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, gt=0)
+
+
+class CompletionBody(Sampling):
+    prompt: str | list[int] = Field(min_length=1)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+def parse(body: bytes, model: type[BaseModel]):
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err["loc"]) or None
+        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+
+
+# --- the app --------------------------------------------------------------------------------------------
+
+class Server:
+    """Turns checked requests into engine requests and engine deltas into OpenAI responses."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, default_max_tokens: int = 512):
+        self.engine, self.model_name, self.default_max_tokens = engine, model_name, default_max_tokens
+        self.created = int(time.time())
+        self.context = engine.llm.cfg.max_position
+
+    def check_model(self, body: Sampling):
+        if body.model != self.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist (this server serves {self.model_name!r})",
+                           param="model", code="model_not_found")
+
+    def params(self, body: Sampling, prompt_len: int, max_tokens: int | None) -> SamplingParams:
+        unsupported = {"n": body.n != 1, "logprobs": bool(body.logprobs),
+                       "presence_penalty": bool(body.presence_penalty),
+                       "frequency_penalty": bool(body.frequency_penalty),
+                       "echo": bool(getattr(body, "echo", False)), "best_of": getattr(body, "best_of", None) not in (None, 1),
+                       "suffix": bool(getattr(body, "suffix", None))}
+        for name, bad in unsupported.items():
+            if bad:
+                raise APIError(400, f"{name}: not supported by this server (only its default)", param=name)
+        if any(not s for s in body.stops()):
+            raise APIError(400, "stop: stop strings must be non-empty", param="stop")
+        if max_tokens is None:
+            max_tokens = max(1, min(self.default_max_tokens, self.context - prompt_len))
+        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                              max_new_tokens=max_tokens, ignore_eos=body.ignore_eos, seed=body.seed)
+
+    def chat_ids(self, body: ChatBody) -> list[int]:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        try:
+            return self.engine.llm.chat_ids(messages)
+        except Exception as e:   # the model's template rejects the conversation
+            raise APIError(400, f"messages: the chat template rejected them ({e})", param="messages") from None
+
+    def completion_ids(self, body: CompletionBody) -> list[int]:
+        if isinstance(body.prompt, str):
+            return self.engine.llm.tokenizer.encode(body.prompt)
+        vocab = self.engine.llm.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in body.prompt):
+            raise APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+        return list(body.prompt)
+
+    def submit(self, ids: list[int], params: SamplingParams, stop: tuple[str, ...]) -> EngineRequest:
+        try:
+            return self.engine.submit(ids, params, stop)
+        except QueueFull as e:
+            raise APIError(503, str(e), kind="server_overloaded", code="queue_full") from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except RuntimeError as e:
+            raise APIError(503, str(e), kind="server_error") from None
+
+    async def respond(self, http: Request, req: EngineRequest, body: Sampling, chat: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._stream(req, rid, chat, usage), media_type="text/event-stream")
+        text, finish = await self._collect(http, req)
+        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": self.model_name, "choices": [choice],
+                             "usage": usage_of(req)})
+
+    async def _collect(self, http: Request, req: EngineRequest) -> tuple[str, str]:
+        """The whole output, or cancellation when the client disconnects first."""
+        async def collect():
+            parts = []
+            while True:
+                delta = await req.queue.get()
+                if delta.finish_reason == "error":
+                    raise APIError(500, delta.text, kind="server_error")
+                parts.append(delta.text)
+                if delta.finish_reason:
+                    return "".join(parts), delta.finish_reason
+
+        async def disconnected():
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+
+        work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                self.engine.abort(req)
+        if work.cancelled():
+            raise asyncio.CancelledError
+        return work.result()
+
+    async def _stream(self, req: EngineRequest, rid: str, chat: bool, include_usage: bool):
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            out = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
+            if include_usage:
+                out["usage"] = None
+            return f"data: {json.dumps(out)}\n\n"
+
+        try:
+            if chat:
+                yield chunk(None, None, first=True)
+            while True:
+                delta = await req.queue.get()
+                if delta.finish_reason == "error":
+                    err = {"error": {"message": delta.text, "type": "server_error", "param": None, "code": None}}
+                    yield f"data: {json.dumps(err)}\n\n"
+                    break
+                yield chunk(delta.text, delta.finish_reason)
+                if delta.finish_reason:
+                    break
+            if include_usage:
+                yield f"data: {json.dumps({'id': rid, 'object': kind, 'created': created, 'model': self.model_name, 'choices': [], 'usage': usage_of(req)})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:   # the client went away mid-stream (or we are done: then abort is a no-op)
+            if not req.done:
+                self.engine.abort(req)
+
+
+def usage_of(req: EngineRequest) -> dict:
+    return {"prompt_tokens": req.prompt_tokens, "completion_tokens": req.completion_tokens,
+            "total_tokens": req.prompt_tokens + req.completion_tokens}
+
+
+def build_app(server: Server) -> FastAPI:
+    app = FastAPI(title="eagle-engine", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, e: RequestValidationError):
+        return error_response(400, str(e.errors()[0].get("msg", e)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else
+                              "invalid_request_error")
+
+    @app.get("/health")
+    async def health():
+        if not server.engine.alive:
+            return error_response(503, f"engine stopped: {server.engine.error}", "server_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "eagle-engine"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        server.engine.metrics.set_load(len(server.engine.llm.scheduler.waiting), len(server.engine.llm.scheduler.running),
+                                       *server.engine.kv_blocks())
+        return Response(server.engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: Request):
+        body = parse(await http.body(), ChatBody)
+        server.check_model(body)
+        ids = server.chat_ids(body)
+        params = server.params(body, len(ids), body.max_completion_tokens or body.max_tokens)
+        return await server.respond(http, server.submit(ids, params, body.stops()), body, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(http: Request):
+        body = parse(await http.body(), CompletionBody)
+        server.check_model(body)
+        ids = server.completion_ids(body)
+        params = server.params(body, len(ids), body.max_tokens)
+        return await server.respond(http, server.submit(ids, params, body.stops()), body, chat=False)
+
+    return app
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before new ones get 503")
+    p.add_argument("--default-max-tokens", type=int, default=512,
+                   help="max_tokens of a request that sets none (capped by the context)")
+    p.add_argument("--log-level", default="warning")
+    add_engine_args(p, max_batch=64)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import uvicorn
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    try:
+        if not 0 <= args.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+        if args.max_waiting < 1 or args.default_max_tokens < 1:
+            raise ValueError("--max-waiting and --default-max-tokens must be >= 1")
+        llm = build_llm(args)
+    except (ModelNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    engine = AsyncEngine(llm, args.method or default_method(), args.max_waiting)
+    engine.start()
+    server = Server(engine, args.served_model_name or args.model, args.default_max_tokens)
+    print(f"serving {server.model_name} ({engine.method}) on http://{args.host}:{args.port}", file=sys.stderr,
+          flush=True)
+    try:
+        uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
