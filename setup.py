@@ -75,7 +75,7 @@ setup(
         "prometheus-client",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-benchmark", "scipy", "accelerate", "matplotlib", "triton", "openai"],
+        "dev": ["pytest", "pytest-benchmark", "scipy", "accelerate", "matplotlib", "triton", "openai", "httpx"],
     },
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension},

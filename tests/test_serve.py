@@ -1,0 +1,250 @@
+"""The OpenAI-compatible server on 127.0.0.1, called with the official `openai` client and raw HTTP."""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from engine.llm import LLM
+from engine.serve import Server, build_app
+from engine.serving import AsyncEngine
+
+from conftest import CHAT_PROMPTS
+
+MODEL = "smollm2-135m"
+
+
+class LiveServer:
+    """engine.serve's app on an ephemeral loopback port, in this process (the test reads the engine)."""
+
+    def __init__(self, llm: LLM, method: str, max_waiting: int = 1024):
+        self.engine = AsyncEngine(llm, method, max_waiting)
+        self.engine.start()
+        config = uvicorn.Config(build_app(Server(self.engine, MODEL)), host="127.0.0.1", port=0,
+                                log_level="warning")
+        self.uvicorn = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.uvicorn.started:
+            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+        port = self.uvicorn.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def close(self):
+        self.uvicorn.should_exit = True
+        self.thread.join(timeout=30)
+        self.engine.shutdown()
+
+    def idle(self, timeout: float = 30) -> bool:
+        """Wait until no request is active and every KV block is back in the pool."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            used, _ = self.engine.kv_blocks()
+            sched = self.engine.llm.scheduler
+            if not self.engine.active and used == 0 and not sched.running and not sched.waiting:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def metric(self, line_prefix: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_prefix))
+
+
+@pytest.fixture(scope="module")
+def server():
+    llm = LLM(MODEL, None, kv_cache_gb=0.25, max_batch=64, method="auto")
+    live = LiveServer(llm, "auto")
+    yield live
+    live.close()
+
+
+def chat(server, prompt, **kw):
+    kw = {"max_tokens": 16, "temperature": 0, **kw}
+    return server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], **kw)
+
+
+def test_chat_completions_streamed_and_not(server):
+    r = chat(server, "Write a haiku about the sea.", max_tokens=24)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    chunks = list(chat(server, "Write a haiku about the sea.", max_tokens=24, stream=True,
+                       stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content                       # greedy: the same text either way
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [choice.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completions_and_models_and_health(server):
+    r = server.client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text and r.usage.completion_tokens <= 8
+    streamed = "".join(c.choices[0].text for c in server.client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True))
+    assert streamed == r.choices[0].text
+    by_ids = server.client.completions.create(model=MODEL, prompt=server.engine.llm.tokenizer.encode(
+        "The capital of France is"), max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == r.choices[0].text
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    raw = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3,
+                                                           "stream": True}).text
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+def test_stop_strings_end_the_output_and_never_leak(server):
+    full = chat(server, "Count from 1 to 20, one number per line.", max_tokens=48).choices[0].message.content
+    assert "7" in full, full
+    stop = full[full.index("7"):full.index("7") + 2]
+    r = chat(server, "Count from 1 to 20, one number per line.", max_tokens=48, stop=[stop, "never appears"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == full[:full.index(stop)]
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(
+        server, "Count from 1 to 20, one number per line.", max_tokens=48, stop=stop, stream=True))
+    assert streamed == r.choices[0].message.content
+    assert server.idle()
+
+
+BAD = [
+    (b"{not json", 400), (b"[1, 2]", 400),
+    ({"messages": [{"role": "user", "content": "hi"}]}, 400),                        # no model
+    ({"model": MODEL}, 400),                                                         # no messages
+    ({"model": MODEL, "messages": []}, 400),
+    ({"model": MODEL, "messages": "hi"}, 400),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -0.5}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 1.01}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400),
+    ({"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}, 404),
+]
+
+
+@pytest.mark.parametrize("body,status", BAD)
+def test_bad_requests_get_openai_style_4xx(server, body, status):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + "/v1/chat/completions", content=content,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and set(err) == {"message", "type", "param", "code"}
+
+
+def test_prompts_past_the_context_and_bad_token_ids_are_rejected(server):
+    ctx = server.engine.llm.cfg.max_position
+    for prompt, match in (([1] * ctx, "context"), ([10**9], "token ids"), ([], "prompt")):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4})
+        assert r.status_code == 400 and match in r.json()["error"]["message"], r.text
+    with pytest.raises(openai.BadRequestError):
+        server.client.completions.create(model=MODEL, prompt="x " * (ctx + 10), max_tokens=4)
+    assert httpx.get(server.url + "/health").status_code == 200 and server.idle()
+
+
+def test_disconnects_cancel_requests_and_return_their_blocks(server):
+    aborted = server.metric('eagle_requests_total{finish_reason="abort"')
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a very long story."}],
+            "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        streams = [client.stream("POST", server.url + "/v1/chat/completions", json=body) for _ in range(6)]
+        for s in streams:
+            response = s.__enter__()
+            lines = response.iter_lines()
+            assert next(l for l in lines if l.startswith("data: "))   # the stream is running
+        assert server.engine.kv_blocks()[0] > 0
+        for s in streams:
+            s.__exit__(None, None, None)                                # hang up mid-stream
+    # A non-streamed request whose client hangs up before the answer.
+    payload = json.dumps({**body, "stream": False}).encode()
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        time.sleep(1.0)
+    assert server.idle(), "blocks of cancelled requests were not returned"
+    assert server.metric('eagle_requests_total{finish_reason="abort"') - aborted == 7
+
+
+def test_greedy_output_is_the_same_alone_and_among_63_others(server):
+    prompts = [f"{p} ({i})" for i, p in enumerate(CHAT_PROMPTS * 4)][:64]
+
+    async def run_all():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        rs = await asyncio.gather(*(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=20, temperature=0) for p in prompts))
+        await client.close()
+        return [r.choices[0].message.content for r in rs]
+
+    together = asyncio.run(run_all())
+    for i in (0, 21, 42, 63):
+        assert chat(server, prompts[i], max_tokens=20).choices[0].message.content == together[i], i
+    assert server.idle()
+
+
+def test_metrics_report_load_latency_and_speculation(server):
+    chat(server, "Why is the sky blue?", max_tokens=32)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("eagle_requests_total", "eagle_prompt_tokens_total", "eagle_generation_tokens_total",
+                 "eagle_time_to_first_token_seconds_bucket", "eagle_inter_token_latency_seconds_bucket",
+                 "eagle_requests_waiting", "eagle_requests_running", "eagle_kv_blocks_used", "eagle_kv_blocks_total",
+                 "eagle_spec_draft_depth_bucket", "eagle_round_seconds_bucket"):
+        assert name in text, name
+    assert server.metric("eagle_generation_tokens_total") >= 32
+    assert server.metric("eagle_kv_blocks_used") == 0
+    spec = server.metric('eagle_spec_rounds_total{method="auto"}')
+    if spec:   # the adaptive policy speculated: acceptance metrics must be consistent
+        assert 1 <= server.metric('eagle_spec_mean_acceptance_length{method="auto"}')
+        assert 'eagle_spec_acceptance_rate{method="auto",position="1"}' in text
+
+
+def test_a_full_queue_answers_503_and_loses_nothing():
+    """A pool that holds two requests and a queue of two: a burst of 10 gets 503s for the overflow, and
+    every admitted request completes with its solo output."""
+    llm = LLM(MODEL, None, kv_cache_gb=0.004, max_batch=64, method="vanilla")
+    live = LiveServer(llm, "vanilla", max_waiting=2)
+    try:
+        prompts = [f"{p}" for p in CHAT_PROMPTS[:10]]
+
+        async def burst():
+            client = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=300)
+            rs = await asyncio.gather(*(client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=24, temperature=0)
+                for p in prompts), return_exceptions=True)
+            await client.close()
+            return rs
+
+        results = asyncio.run(burst())
+        busy = [r for r in results if isinstance(r, openai.APIStatusError)]
+        done = [(p, r) for p, r in zip(prompts, results) if not isinstance(r, Exception)]
+        assert busy and all(r.status_code == 503 for r in busy)
+        assert len(done) + len(busy) == len(prompts) and len(done) >= 2
+        assert live.idle()
+        for p, r in done:
+            assert chat(live, p, max_tokens=24).choices[0].message.content == r.choices[0].message.content
+        r = httpx.post(live.url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 4000,
+                       "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"]
+    finally:
+        live.close()
