@@ -90,7 +90,7 @@ class AsyncEngine:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self.error: BaseException | None = None   # what stopped the engine thread, if anything
+        self.error: Exception | None = None   # the last round failure, if any
 
     # --- the asyncio side ----------------------------------------------------------------------------
 
@@ -136,33 +136,33 @@ class AsyncEngine:
     # --- the engine thread ---------------------------------------------------------------------------
 
     def _run(self):
-        try:
-            while True:
-                with self._cv:
-                    while not (self._inbox or self._cancel or self.llm.has_work or self._stopping):
-                        self._cv.wait()
-                    if self._stopping:
-                        break
-                    inbox, self._inbox = self._inbox, []
-                    cancel, self._cancel = self._cancel, []
-                for req in inbox:
-                    self.llm.scheduler.add(req.seq)
-                    self.active[req.seq.seq_id] = req
-                for req in cancel:
-                    if not req.done:
-                        self.llm.abort(req.seq)
-                        self._finish(req, "abort")
-                if self.llm.has_work:
+        while True:
+            with self._cv:
+                while not (self._inbox or self._cancel or self.llm.has_work or self._stopping):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                inbox, self._inbox = self._inbox, []
+                cancel, self._cancel = self._cancel, []
+            for req in inbox:
+                self.llm.scheduler.add(req.seq)
+                self.active[req.seq.seq_id] = req
+            for req in cancel:
+                if not req.done:
+                    self.llm.abort(req.seq)
+                    self._finish(req, "abort")
+            if self.llm.has_work:
+                try:
                     self._round()
-                self.metrics.set_load(len(self.llm.scheduler.waiting) + len(self._inbox),
-                                      len(self.llm.scheduler.running), *self.kv_blocks())
-        except BaseException as e:   # the engine is broken: fail every request, never leave one hanging
-            log.exception("engine thread stopped")
-            self.error = e
-            self.llm.abort_all()
-            for req in list(self.active.values()):
-                req.put(Delta(f"engine error: {e}", "error"))
-                self._finish(req, "error")
+                except Exception as e:   # fail this batch's requests; the engine serves the next ones
+                    log.exception("a round failed")
+                    self.error = e
+                    self.llm.abort_all()
+                    for req in list(self.active.values()):
+                        req.put(Delta(f"engine error: {type(e).__name__}: {e}", "error"))
+                        self._finish(req, "error")
+            self.metrics.set_load(len(self.llm.scheduler.waiting) + len(self._inbox),
+                                  len(self.llm.scheduler.running), *self.kv_blocks())
 
     def _round(self):
         steps = self.stats.steps

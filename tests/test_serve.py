@@ -248,3 +248,23 @@ def test_a_full_queue_answers_503_and_loses_nothing():
         assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"]
     finally:
         live.close()
+
+
+def test_a_failing_round_fails_its_requests_and_the_server_goes_on(server, monkeypatch):
+    decoder = server.engine.llm.decoder
+    real = decoder.step
+    calls = {"n": 0}
+
+    def broken(seqs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return real(seqs)
+
+    monkeypatch.setattr(decoder, "step", broken)
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+    assert server.idle()
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert chat(server, "hi", max_tokens=8).choices[0].message.content
