@@ -25,10 +25,20 @@ split and fused on load):
 - EAGLE-3: fc.weight [H, 3H], midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight,
   midlayer.self_attn.* (q/k/v over 2H inputs), midlayer.mlp.*, norm.weight, lm_head.weight [Vd, H],
   d2t int64 [Vd] (target id = draft id + d2t[draft id]), t2d bool [V]; config "draft_vocab_size".
+  A head over the full vocabulary (draft_vocab_size absent or equal to vocab_size) may omit d2t / t2d.
+
+As published, heads also come as pytorch_model.bin (a torch pickle): it is read with
+torch.load(weights_only=True) only, must be a flat name -> tensor dict, and `python -m engine.heads convert
+DIR` rewrites it once as model.safetensors (preferred when both exist). Rotary `inv_freq` buffers that some
+exports carry are ignored (the head computes its own from its config), as is a copy of the embedding.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import shutil
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,6 +57,10 @@ _SPLIT = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_
           "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 # Stored by some exporters; the head always uses the target's own embedding (frozen during training).
 _IGNORED = {"embed_tokens.weight"}
+# Rotary buffers saved by older transformers (e.g. layers.0.self_attn.rotary_emb.inv_freq): derived from the
+# config's rope settings, recomputed by the head.
+_IGNORED_SUFFIX = "rotary_emb.inv_freq"
+SAFETENSORS, TORCH_BIN = "model.safetensors", "pytorch_model.bin"
 
 
 class HeadLayer(nn.Module):
@@ -281,20 +295,19 @@ def detect_kind(names) -> str:
 
 
 def load_head(path: str | Path, target: Llama, kind: str | None = None) -> DraftHead:
-    """config.json + model.safetensors (official names) -> a head sharing `target`'s embedding / LM head,
-    in the target's dtype and device. `kind` ("eagle" / "eagle3"), when given, must match the checkpoint."""
-    from safetensors import safe_open
+    """config.json + model.safetensors or pytorch_model.bin (official names) -> a head sharing `target`'s
+    embedding / LM head, in the target's dtype and device. `kind` ("eagle" / "eagle3"), when given, must
+    match the checkpoint."""
     path = Path(path)
-    if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
-        raise ValueError(f"head {path}: expected config.json and model.safetensors there")
+    if not (path / "config.json").exists() or weights_file(path) is None:
+        raise ValueError(f"head {path}: expected config.json and {SAFETENSORS} (or {TORCH_BIN}) there")
     raw = json.loads((path / "config.json").read_text())
     if raw.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"head {path}: {raw['num_hidden_layers']} layers; EAGLE heads have one")
     if raw.get("target_hidden_size", raw["hidden_size"]) != raw["hidden_size"]:
         raise ValueError(f"head {path}: target_hidden_size != hidden_size is not supported")
     cfg = LlamaConfig.from_hf(raw)
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors = read_weights(path)
     found = detect_kind(tensors)
     if kind is not None and found != kind:
         raise ValueError(f"head {path} is an {found} head, the method needs an {kind} head")
@@ -302,10 +315,117 @@ def load_head(path: str | Path, target: Llama, kind: str | None = None) -> Draft
     if found == "eagle":
         head = Eagle1Head(cfg, target, bias="fc.bias" in tensors)
     else:
-        head = Eagle3Head(cfg, target, raw.get("draft_vocab_size"))
+        lm_head = tensors.get("lm_head.weight")
+        # Official configs state draft_vocab_size; without it the LM head's rows say it.
+        vd = raw.get("draft_vocab_size") or (lm_head.shape[0] if lm_head is not None else None)
+        head = Eagle3Head(cfg, target, vd)
+        _vocab_map(head, tensors, path)
     _load_tensors(head, tensors, path)
     weight = target.embed_tokens.weight
     return head.to(weight.device, weight.dtype).eval()
+
+
+def _vocab_map(head: Eagle3Head, tensors: dict[str, torch.Tensor], path: Path):
+    """Completes and checks the draft -> target mapping in `tensors`. A full-vocabulary head may omit d2t
+    (draft id = target id: the head keeps its identity d2t / t2d, as the official loader does); a missing
+    t2d follows from d2t."""
+    Vd, V = head.lm_head.out_features, head.cfg.vocab_size
+    if "d2t" not in tensors:
+        if Vd != V:
+            raise ValueError(f"head {path}: missing tensor d2t (its draft vocabulary has {Vd} of {V} tokens)")
+        tensors["d2t"], tensors["t2d"] = head.d2t, head.t2d
+        return
+    d2t = tensors["d2t"]
+    if d2t.shape != (Vd,) or d2t.is_floating_point() or d2t.is_complex() or d2t.dtype == torch.bool:
+        raise ValueError(f"head {path}: d2t must be integer [{Vd}], got {d2t.dtype} {tuple(d2t.shape)}")
+    ids = torch.arange(Vd) + d2t.long()
+    if Vd and (ids.min() < 0 or ids.max() >= V):
+        raise ValueError(f"head {path}: d2t maps draft ids outside the target vocabulary [0, {V})")
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    if "t2d" not in tensors:
+        tensors["t2d"] = t2d
+    elif tensors["t2d"].shape == (V,) and not torch.equal(tensors["t2d"].bool(), t2d):
+        raise ValueError(f"head {path}: t2d does not mark exactly the target ids of d2t")
+
+
+def weights_file(path: str | Path) -> Path | None:
+    """The head's weights: model.safetensors, else pytorch_model.bin, else None."""
+    for name in (SAFETENSORS, TORCH_BIN):
+        if (Path(path) / name).is_file():
+            return Path(path) / name
+    return None
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a head directory's weights file (see `weights_file`), on the CPU."""
+    file = weights_file(path)
+    if file is None:
+        raise ValueError(f"head {path}: no {SAFETENSORS} or {TORCH_BIN} there")
+    if file.name == TORCH_BIN:
+        return read_torch_bin(file)
+    from safetensors import safe_open
+    with safe_open(str(file), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def read_torch_bin(file: str | Path) -> dict[str, torch.Tensor]:
+    """A pytorch_model.bin state dict, unpickled with torch's weights-only unpickler (which builds tensors
+    and plain containers and calls nothing else, so no code in the file runs); anything but a flat
+    dict of str -> Tensor is refused."""
+    try:
+        obj = torch.load(str(file), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever the unpickler refuses, say why in one line
+        raise ValueError(f"{file}: refused, not a plain tensor checkpoint ({_load_error(e)})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{file}: refused, expected a dict of name -> tensor, found a {type(obj).__name__}")
+    for k, v in obj.items():
+        if not isinstance(k, str) or not isinstance(v, torch.Tensor):
+            raise ValueError(f"{file}: refused, expected a flat dict of name -> tensor, entry {k!r} is a "
+                             f"{type(v).__name__}")
+    return dict(obj)
+
+
+def _load_error(e: Exception) -> str:
+    """The informative line of a torch.load error (the weights-only unpickler's reason), on one line."""
+    text = str(e)
+    marker = "WeightsUnpickler error: "
+    if marker in text:
+        text = text.split(marker, 1)[1]
+        text = text.split(". ", 1)[0]
+    text = " ".join(text.split())
+    return f"{type(e).__name__}: {text[:200]}"
+
+
+def convert_checkpoint(path: str | Path, out: str | Path | None = None, overwrite: bool = False) -> Path:
+    """One-time conversion of a head's pytorch_model.bin (read as `read_torch_bin` does) to
+    model.safetensors, written to `out` (default: next to it; config.json is copied there), so that later
+    loads read safetensors. Tensor names and dtypes are kept. -> the written file."""
+    path = Path(path)
+    src = path / TORCH_BIN
+    if not src.is_file():
+        raise ValueError(f"{path}: no {TORCH_BIN} to convert")
+    out = Path(out) if out is not None else path
+    dst = out / SAFETENSORS
+    if dst.exists() and not overwrite:
+        raise ValueError(f"{dst} exists already (pass --force to replace it)")
+    tensors = read_torch_bin(src)
+    detect_kind(tensors)  # refuse what is not an EAGLE head before writing anything
+    from safetensors.torch import save_file
+    out.mkdir(parents=True, exist_ok=True)
+    seen, flat = set(), {}
+    for name, t in tensors.items():
+        # safetensors stores each tensor alone: views and tensors sharing storage are copied out.
+        storage = t.untyped_storage()
+        shared = storage.data_ptr() in seen or storage.nbytes() != t.nbytes or not t.is_contiguous()
+        seen.add(storage.data_ptr())
+        flat[name] = t.contiguous().clone() if shared else t
+    tmp = dst.with_name(dst.name + ".tmp")
+    save_file(flat, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, dst)  # a partial file is never taken for the head's weights
+    if (path / "config.json").exists() and out.resolve() != path.resolve():
+        shutil.copyfile(path / "config.json", out / "config.json")
+    return dst
 
 
 def _load_tensors(head: DraftHead, tensors: dict[str, torch.Tensor], path: Path):
@@ -322,6 +442,8 @@ def _load_tensors(head: DraftHead, tensors: dict[str, torch.Tensor], path: Path)
                 raise ValueError(f"head {path}: {name} has shape {tuple(t.shape)}, the target's embedding "
                                  f"is {tuple(head.embed_tokens.weight.shape)}")
             continue
+        if name.endswith(_IGNORED_SUFFIX) and name not in expected:
+            continue
         if name not in expected:
             raise ValueError(f"head {path}: unexpected tensor {name} for an {head.kind} head")
         loaded[name] = t
@@ -333,3 +455,25 @@ def _load_tensors(head: DraftHead, tensors: dict[str, torch.Tensor], path: Path)
                              f"{tuple(ref.shape)} from its config")
         loaded[name] = loaded[name].to(ref.dtype)
     head.load_state_dict(loaded)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.heads", description="EAGLE head checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    conv = sub.add_parser("convert", help="rewrite a head's pytorch_model.bin as model.safetensors (read "
+                                          "with torch.load(weights_only=True): no code in it runs)")
+    conv.add_argument("dir", help="head directory with pytorch_model.bin (and config.json)")
+    conv.add_argument("--out", help="directory to write model.safetensors (+ config.json) to; default: DIR")
+    conv.add_argument("--force", action="store_true", help="replace an existing model.safetensors")
+    args = parser.parse_args(argv)
+    try:
+        dst = convert_checkpoint(args.dir, args.out, overwrite=args.force)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(dst)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -231,3 +231,228 @@ def test_dense_past_kv_unrolls_training_time_test():
     torch.testing.assert_close(out1, both[:, S:], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="key columns"):
         head.forward_dense(ids[None, S:], out0, pos, causal, past_kv=kv0)
+
+
+# ------------------------------------------------------------------ heads as published: .bin, stray buffers, full vocab
+
+def saved_tensors(head, path):
+    """The head's official checkpoint tensors (as `save` writes them) and its config dict."""
+    head.save(path)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return tensors, json.loads((path / "config.json").read_text())
+
+
+def write_bin_head(path, tensors, config):
+    """A head directory as many are published: config.json + pytorch_model.bin (torch.save of a state dict)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    torch.save(tensors, str(path / "pytorch_model.bin"))
+    return path
+
+
+def assert_same_head(a, b):
+    assert type(a) is type(b)
+    for (name, x), (name_b, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert name == name_b and torch.equal(x, y), name
+    ids, hidden = inputs(a, 5)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    pos = torch.arange(5)
+    out_a, out_b = (h.forward_dense(ids[None], hidden[None], pos, mask)[0] for h in (a, b))
+    assert torch.equal(out_a, out_b) and torch.equal(a.logits(out_a), b.logits(out_b))
+
+
+class MarkerPayload:
+    """Unpickling this creates `path` (open(path, "w")): the proof that code from a checkpoint ran."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+@pytest.mark.parametrize("kind,kw", [("eagle", {}), ("eagle3", {"draft_vocab_size": 20})])
+def test_pytorch_model_bin_loads_like_safetensors(tmp_path, kind, kw):
+    target = tiny_target()
+    tensors, config = saved_tensors(make_head(kind, target, **kw), tmp_path / "st")
+    write_bin_head(tmp_path / "bin", tensors, config)
+    assert_same_head(load_head(tmp_path / "st", target), load_head(tmp_path / "bin", target, kind))
+
+
+def test_safetensors_is_preferred_over_a_bin_beside_it(tmp_path):
+    target = tiny_target()
+    head = make_head("eagle", target)
+    head.save(tmp_path)
+    marker = tmp_path / "ran"
+    torch.save({"fc.weight": torch.zeros(3), "x": MarkerPayload(marker)}, str(tmp_path / "pytorch_model.bin"))
+    assert_same_head(head, load_head(tmp_path, target))
+    assert not marker.exists()
+
+
+def test_a_bin_that_is_not_a_flat_tensor_dict_is_refused_and_runs_nothing(tmp_path):
+    target = tiny_target()
+    tensors, config = saved_tensors(make_head("eagle", target), tmp_path / "st")
+    marker = tmp_path / "code_ran"
+    bad = {"pickled object": {**tensors, "evil": MarkerPayload(marker)},
+           "nested dict": {**tensors, "extra": {"fc.weight": tensors["fc.weight"]}},
+           "non-tensor value": {**tensors, "step": 3},
+           "wrapped state dict": {"state_dict": tensors},
+           "a list": [tensors["fc.weight"]]}
+    for case, obj in bad.items():
+        write_bin_head(tmp_path / "bad", obj, config)
+        with pytest.raises(ValueError, match="pytorch_model.bin: refused") as err:
+            load_head(tmp_path / "bad", target)
+        assert "\n" not in str(err.value), case
+        assert not marker.exists(), case
+    write_bin_head(tmp_path / "bad", bad["pickled object"], config)
+    with pytest.raises(ValueError, match=r"refused.*Unsupported global.*open"):
+        load_head(tmp_path / "bad", target)
+    assert not marker.exists()
+    # The control: an unrestricted unpickle of the same file does run the payload.
+    torch.load(str(tmp_path / "bad" / "pytorch_model.bin"), weights_only=False)
+    assert marker.exists()
+
+
+def test_convert_cli_writes_safetensors_that_load_identically(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from engine.heads import main
+    target = tiny_target()
+    tensors, config = saved_tensors(make_head("eagle3", target, draft_vocab_size=20), tmp_path / "st")
+    half = {k: v.half() if v.is_floating_point() else v for k, v in tensors.items()}  # as published: fp16
+    qkv = [f"midlayer.self_attn.{p}_proj.weight" for p in "qkv"]  # views of one storage (safetensors refuses)
+    half.update(zip(qkv, torch.cat([half[n] for n in qkv]).split([half[n].shape[0] for n in qkv])))
+    src = write_bin_head(tmp_path / "bin", {**half, "midlayer.self_attn.rotary_emb.inv_freq": torch.ones(4)}, config)
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "engine.heads", "convert", str(src), "--out", str(tmp_path / "out")],
+                          cwd=repo, env={**__import__("os").environ, "PYTHONPATH": str(repo)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(tmp_path / "out" / "model.safetensors")
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == config
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == set(half) | {"midlayer.self_attn.rotary_emb.inv_freq"}
+        assert all(torch.equal(f.get_tensor(k), v) for k, v in half.items())  # names and dtypes kept
+    assert_same_head(load_head(src, target), load_head(tmp_path / "out", target))
+    # In place: model.safetensors next to the .bin, then preferred; a second run will not overwrite it.
+    assert main(["convert", str(src)]) == 0 and (src / "model.safetensors").exists()
+    assert_same_head(load_head(src, target), load_head(tmp_path / "out", target))
+    assert main(["convert", str(src)]) == 2
+    assert main(["convert", str(src), "--force"]) == 0
+    assert main(["convert", str(tmp_path / "st")]) == 2  # no .bin there
+
+
+def test_stray_rotary_buffers_are_ignored_other_tensors_are_not(tmp_path):
+    target = tiny_target()
+    for kind, layer in (("eagle", "layers.0"), ("eagle3", "midlayer")):
+        head = make_head(kind, target)
+        tensors, config = saved_tensors(head, tmp_path / kind)
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)
+        save_file({**tensors, f"{layer}.self_attn.rotary_emb.inv_freq": inv_freq,
+                   "embed_tokens.weight": target.embed_tokens.weight.detach().clone()},
+                  str(tmp_path / kind / "model.safetensors"))
+        assert_same_head(head, load_head(tmp_path / kind, target))
+        save_file({**tensors, f"{layer}.self_attn.rotary_emb.cos_cached": torch.ones(4)},
+                  str(tmp_path / kind / "model.safetensors"))
+        with pytest.raises(ValueError, match="unexpected tensor .*rotary_emb.cos_cached"):
+            load_head(tmp_path / kind, target)
+
+
+def official_eagle3_config(**overrides):
+    """Shaped like published EAGLE-3 configs (SpecForge / SGLang style), for the tiny target's dimensions:
+    no head_dim (hidden / heads), llama3 rope scaling, draft_vocab_size, target_hidden_size."""
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "bos_token_id": 1,
+           "eos_token_id": [2, 3], "hidden_act": "silu", "hidden_size": 32, "initializer_range": 0.02,
+           "intermediate_size": 64, "max_position_embeddings": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_hidden_layers": 1, "pad_token_id": 0, "rms_norm_eps": 1e-05,
+           "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                            "original_max_position_embeddings": 32, "rope_type": "llama3"},
+           "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "float16",
+           "transformers_version": "4.28.1", "use_cache": True, "vocab_size": 48, "draft_vocab_size": 20,
+           "target_hidden_size": 32}
+    cfg.update(overrides)
+    return cfg
+
+
+def test_official_eagle3_config_loads(tmp_path):
+    from engine.model import rope_inv_freq
+    target = tiny_target()
+    head = make_head("eagle3", target, draft_vocab_size=20)
+    tensors, _ = saved_tensors(head, tmp_path / "st")
+    config = official_eagle3_config()
+    loaded = load_head(write_bin_head(tmp_path / "h", tensors, config), target, "eagle3")
+    assert loaded.cfg.head_dim == 8 and loaded.cfg.rope_theta == 500000.0
+    assert loaded.cfg.rope_scaling == config["rope_scaling"] and loaded.cfg.max_position == 128  # the target's
+    inv_freq = rope_inv_freq(8, 500000.0, config["rope_scaling"])
+    angles = torch.outer(torch.arange(128, dtype=torch.float64), inv_freq)
+    assert torch.equal(loaded.rotary.cos, torch.cat([angles, angles], -1).cos().float())
+    assert torch.equal(loaded.to_target(torch.arange(20)), head.to_target(torch.arange(20)))
+    # A head whose features come from a target of another width is not supported: a clear error.
+    (tmp_path / "h" / "config.json").write_text(json.dumps({**config, "target_hidden_size": 64}))
+    with pytest.raises(ValueError, match="target_hidden_size != hidden_size"):
+        load_head(tmp_path / "h", target)
+
+
+def test_reduced_vocab_map_is_completed_and_checked(tmp_path):
+    target = tiny_target()
+    head = make_head("eagle3", target, draft_vocab_size=20)
+    tensors, config = saved_tensors(head, tmp_path / "st")
+    no_t2d = {k: v for k, v in tensors.items() if k != "t2d"}
+    assert_same_head(head, load_head(write_bin_head(tmp_path / "a", no_t2d, config), target))  # t2d from d2t
+    write_bin_head(tmp_path / "b", {k: v for k, v in tensors.items() if k != "d2t"}, config)
+    with pytest.raises(ValueError, match="missing tensor d2t"):
+        load_head(tmp_path / "b", target)
+    write_bin_head(tmp_path / "c", {**tensors, "d2t": tensors["d2t"] + 40}, config)
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        load_head(tmp_path / "c", target)
+    write_bin_head(tmp_path / "d", {**tensors, "t2d": ~tensors["t2d"]}, config)
+    with pytest.raises(ValueError, match="t2d does not mark exactly"):
+        load_head(tmp_path / "d", target)
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 48])
+def test_full_vocabulary_eagle3_head_without_d2t_t2d(tmp_path, draft_vocab_size):
+    target = tiny_target()
+    head = make_head("eagle3", target)  # draft vocabulary = the target's
+    tensors, _ = saved_tensors(head, tmp_path / "st")
+    tensors = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
+    config = official_eagle3_config(draft_vocab_size=draft_vocab_size, rope_scaling=None, rope_theta=10000.0)
+    if draft_vocab_size is None:
+        del config["draft_vocab_size"]
+    loaded = load_head(write_bin_head(tmp_path / "h", tensors, config), target, "eagle3")
+    assert loaded.lm_head.weight.shape == (48, 32)
+    assert torch.equal(loaded.to_target(torch.arange(48)), torch.arange(48)) and bool(loaded.t2d.all())
+    assert_same_head(head, loaded)
+
+
+def test_full_vocabulary_eagle3_head_decodes_like_vanilla(tmp_path):
+    """An official-style full-vocabulary EAGLE-3 head (pytorch_model.bin, no d2t / t2d, no draft_vocab_size)
+    through the engine: speculative greedy output is vanilla's."""
+    from engine.heads import new_head
+    from engine.llm import LLM
+    from engine.scheduler import SamplingParams
+    from tests.conftest import write_tiny_llama
+    from tests.test_speculative_sampling import write_tokenizer
+    vocab = 96
+    hf = write_tiny_llama(tmp_path / "target", seed=5, vocab_size=vocab, num_hidden_layers=8)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(10.0)
+    hf.save_pretrained(str(tmp_path / "target"), safe_serialization=True)
+    write_tokenizer(tmp_path / "target", vocab)
+    llm = LLM(str(tmp_path / "target"), "float32", device="cpu", kv_cache_gb=0.02, block_size=8, max_batch=4, seed=1)
+    head = randomize(new_head("eagle3", llm.model))
+    tensors, config = saved_tensors(head, tmp_path / "st")
+    del config["draft_vocab_size"]
+    write_bin_head(tmp_path / "head", {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}, config)
+    prompts = [[1, 5, 9, 11, 4], [1, 7], [1, 3, 3, 3, 4, 5, 6, 7, 8]]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    llm.set_method("vanilla")
+    vanilla = [s.output_ids for s in llm.generate(prompts, params)[0]]
+    llm.set_method("eagle3", {"head": str(tmp_path / "head"), "depth": 3, "topk": 4, "tree_tokens": 8})
+    assert torch.equal(llm.decoder.head.to_target(torch.arange(vocab)), torch.arange(vocab))
+    seqs, stats = llm.generate(prompts, params)
+    assert [s.output_ids for s in seqs] == vanilla
+    assert stats.as_dict()["rounds"] > 0
