@@ -29,6 +29,7 @@ from .trees import Tree
 class Decoder:
     """What vanilla and speculative decoders share: the runner, the sampler, the scheduler's block tables."""
     lookahead = 1  # cache positions a step may write past the cached tokens
+    depth = 0      # levels the last round drafted (0: a plain decode step)
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, blocks):
         self.runner, self.sampler, self.blocks = runner, sampler, blocks
@@ -105,16 +106,21 @@ class SpeculativeDecoder(Decoder):
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
         with self.timer("draft_s"):
             tree, draft_probs = self.draft(seqs)
+        self.depth = self.drafted_depth(tree)
         with self.timer("verify_s"):
             out = self.verify(seqs, tree, draft_probs)
         verdict = self.read(out)
         with self.timer("draft_s"):
             self.catch_up(seqs, verdict)
-        self._stats.record(verdict.lengths)
+        self._stats.record(verdict.lengths, self.depth)
         return verdict.new_tokens
 
     def draft(self, seqs: list[Sequence]) -> tuple[Tree, torch.Tensor | None]:
         raise NotImplementedError
+
+    def drafted_depth(self, tree: Tree) -> int:
+        """Levels the round drafted, from host values: a chain's length (SpS)."""
+        return tree.num_nodes - 1
 
     def catch_up(self, seqs: list[Sequence], verdict: Verdict):
         raise NotImplementedError
@@ -126,13 +132,14 @@ class SpeculativeDecoder(Decoder):
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [N] * B)
         Bp = self.runner.batch_rows(B)
         W = (N + 31) // 32
+        causal = self.causal or N == 1  # a lone root needs no tree mask: a plain decode step
         inputs = {"ids": ((Bp, N), torch.int64), "depths": ((Bp, N), torch.int32)}
-        if not self.causal:
+        if not causal:
             inputs["tree_mask"] = ((Bp * N, W), torch.int32)
-        g = self.runner.graph(self.graphs, ("verify", Bp, N, self.causal, self.capture), plan.padded(Bp), self._verify_fn,
+        g = self.runner.graph(self.graphs, ("verify", Bp, N, causal, self.capture), plan.padded(Bp), self._verify_fn,
                               inputs)
         given = {"ids": tree.tokens, "depths": tree.depths}
-        if not self.causal:
+        if not causal:
             given["tree_mask"] = tree.mask()
         logits, feature, captured = g.run(plan.padded(Bp), **given)
         logits = logits.view(Bp, N, -1)[:B]                                              # [B, N, V]
@@ -152,6 +159,10 @@ class SpeculativeDecoder(Decoder):
     def accept(self, seqs, tree: Tree, logits, draft_probs):
         """Greedy rows accept while the draft equals the target's argmax; sampled rows by tree rejection
         sampling. -> accept_path int32 [B, N], accept_len int32 [B], next_token int64 [B]."""
+        if tree.num_nodes == 1:  # nothing drafted: a plain decode step
+            nxt = self.sampler(logits[:, 0], seqs)
+            zero = torch.zeros_like(nxt, dtype=torch.int32)
+            return zero[:, None], zero, nxt
         args = (tree.parents, tree.tokens, tree.sizes)
         path, length, nxt = eagle_kernels.tree_accept_greedy(*args, logits.argmax(-1))
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
@@ -168,6 +179,8 @@ class SpeculativeDecoder(Decoder):
     def keep_path(self, slots: torch.Tensor, path: torch.Tensor):
         """Copy the KV of accepted node path[b, j] (at slots[b, path[b, j]]) to slots[b, j], every layer at
         once; rejected positions copy onto themselves. slots: int32 [B, N]; path: int32 [B, N], -1 padded."""
+        if path.shape[1] == 1:  # the root alone is already in place
+            return
         src = torch.where(path >= 0, slots.gather(1, path.clamp(min=0).long()), slots).flatten().long()
         kv = self.runner.kv.flatten(0, 1).flatten(1, 2)                     # [layers * 2, slots, Hkv, D]
         kv.index_copy_(1, slots.flatten().long(), kv.index_select(1, src))
@@ -193,14 +206,18 @@ class SpeculativeDecoder(Decoder):
 
 @dataclass
 class SpecStats:
-    """Per-run counters: rounds are (sequence, verify) pairs; depth d is reached when >= d drafts pass."""
+    """Per-run counters: rounds are (sequence, verify) pairs; depth d is reached when >= d drafts pass;
+    depth_hist[d] counts the verify rounds that drafted d levels."""
     rounds: int = 0
     reached: list[int] = field(default_factory=list)
+    depth_hist: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
     events: list = field(default_factory=list)  # (attr, start, end) CUDA events, resolved in as_dict
 
-    def record(self, lengths: list[int]):
+    def record(self, lengths: list[int], depth: int):
+        self.depth_hist += [0] * (depth + 1 - len(self.depth_hist))
+        self.depth_hist[depth] += 1
         self.rounds += len(lengths)
         for n in lengths:
             if n > len(self.reached):
@@ -214,7 +231,7 @@ class SpecStats:
             setattr(self, attr, getattr(self, attr) + start.elapsed_time(end) / 1000)
         n = max(self.rounds, 1)
         return {"tau": round(1 + sum(self.reached) / n, 3), "rounds": self.rounds,
-                "accept_by_depth": [round(r / n, 3) for r in self.reached],
+                "accept_by_depth": [round(r / n, 3) for r in self.reached], "depth_hist": self.depth_hist,
                 "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4)}
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .adaptive import SpeculationPolicy
 from .decoding import Decoder, VanillaDecoder
 from .device import defaults
 from .spec_eagle import EagleDecoder, eagle_head, shipped_head
@@ -31,26 +32,31 @@ def make_sps(llm) -> Decoder:
                       timing=llm.timing)
 
 
-def make_eagle(llm, kind: str) -> Decoder:
+def make_eagle(llm, kind: str, adaptive: bool = False) -> Decoder:
+    """adaptive (or --adaptive): a SpeculationPolicy picks each round's depth, 0 .. the dynamic tree's."""
     args = llm.method_args
-    check_args(kind, args, {"head", "tree", "depth", "topk", "tree_tokens"})
+    check_args(kind, args, {"head", "tree", "depth", "topk", "tree_tokens", "adaptive"})
     head = eagle_head(args.get("head"), kind, llm.model)
     shape = args.get("tree", "dynamic")
+    policy = None
     if shape == "dynamic":
         d, k, m = defaults(llm.runner.device).tree
         tree = DynamicTree(args.get("depth", d), args.get("topk", k), args.get("tree_tokens", m))
+        if args.get("adaptive", adaptive):
+            policy = SpeculationPolicy(EagleDecoder.verify_tokens(tree))
     elif shape == "static":
         check_args(f"{kind} --tree static", args, {"head", "tree"})
         tree = StaticTree()
     else:
         raise ValueError(f"--tree must be 'dynamic' or 'static', got {shape!r}")
-    return EagleDecoder(llm.runner, llm.sampler, llm.scheduler.blocks, head, tree, timing=llm.timing)
+    return EagleDecoder(llm.runner, llm.sampler, llm.scheduler.blocks, head, tree, timing=llm.timing,
+                        policy=policy)
 
 
 def make_auto(llm) -> Decoder:
-    """EAGLE-3 when a shipped head fits the target (or --head is given), else vanilla."""
+    """EAGLE-3 with the adaptive policy when a shipped head fits the target (or --head is given), else vanilla."""
     if llm.method_args.get("head") or shipped_head("eagle3", llm.model.cfg):
-        return make_eagle(llm, "eagle3")
+        return make_eagle(llm, "eagle3", adaptive=True)
     return make_vanilla(llm)
 
 

@@ -63,6 +63,7 @@ METHOD_FLAGS = [
     ("--depth", dict(type=int, default=None, help="dynamic tree depth D (default 2 on CPU, 6 on GPU)")),
     ("--topk", dict(type=int, default=None, help="dynamic tree top-k K (default 2 on CPU, 10 on GPU)")),
     ("--tree-tokens", dict(type=int, default=None, help="dynamic tree: total verified tokens M (default 4 on CPU, 60 on GPU)")),
+    ("--adaptive", dict(action="store_true", default=None, help="eagle/eagle3: pick each round's draft depth (0 = none) by batch size, measured cost and acceptance (auto does)")),
 ]
 
 
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
 
 
 def default_method() -> str:
-    """The "auto" method (EAGLE-3 with a shipped head that fits the target, else vanilla) once a trained
+    """The "auto" method (adaptive EAGLE-3 with a shipped head that fits the target, else vanilla) once a trained
     head ships under engine/heads/<name>/; vanilla until then."""
     from .spec_eagle import HEADS_DIR
     return "auto" if any(HEADS_DIR.glob("*/model.safetensors")) else "vanilla"

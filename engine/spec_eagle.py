@@ -1,25 +1,33 @@
 """EAGLE decoding (EAGLE-1 / EAGLE-2 / EAGLE-3): a one-layer head drafts a tree from the target's features,
 the target verifies the whole tree in one forward.
 
-The head reads pairs: pair t = (hidden_t, token_{t+1}) sits at position t. Between rounds the head's cache
-holds the pairs t < L (L = the target's cached tokens; pair L - 1 is the root pair, its token the root) and
-`root[seq]` keeps that pair's input hidden and the head's output there. A round:
-1. draft: the root's output gives the depth-1 candidates; forward d (d = 2 .. depth) feeds the drafted
-   history - the root pair again and every frontier expanded so far, with its ancestor mask - and expands
-   the newest frontier (trees.py policies). Drafts are re-fed, not cached: paged attention lets new tokens
-   see every cached token, so a cached draft would be visible to its cousins.
+The head reads pairs: pair t = (hidden_t, token_{t+1}) sits at position t. The head is fed lazily: prefill
+and every round leave their pairs (target feature, next token) in `pending[seq]`, and a round that drafts
+feeds them first, in one head forward. After that the head's cache holds the pairs t < L (L = the target's
+cached tokens; pair L - 1 is the root pair, its token the root) and `root[seq]` keeps that pair's input
+hidden and the head's output there. A round that drafts nothing (an adaptive policy's depth 0) thus costs
+a plain decode step, and a request served without drafts to its end never runs the head. A round:
+1. draft: feed the pending pairs; the root's output gives the depth-1 candidates; forward d (d = 2 .. depth)
+   feeds the drafted history - the root pair again and every frontier expanded so far, with its ancestor
+   mask - and expands the newest frontier (trees.py policies). Drafts are re-fed, not cached: paged
+   attention lets new tokens see every cached token, so a cached draft would be visible to its cousins.
 2. verify (decoding.SpeculativeDecoder.verify): root + tree in one target forward, lossless acceptance.
-3. catch up: the head consumes (target feature at t, token t + 1) for the accepted path and the bonus
-   token; the last of these pairs is the next root pair.
+3. catch up: the pairs (target feature at t, token t + 1) of the accepted path and the bonus token join
+   `pending`; the last of them is the next root pair.
+
+With a policy (engine/adaptive.py) each round drafts the depth it picks for the batch, 0 .. the tree's
+depth; the verified tokens shrink with it (the tree's budget, capped by what d levels hold).
 """
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
 from pathlib import Path
 
+from .adaptive import SpeculationPolicy
 from .decoding import SpeculativeDecoder, Verdict, depth_caps
 from .heads import DraftHead, detect_kind, load_head, new_head
 from .model import Llama
@@ -60,51 +68,70 @@ def eagle_head(spec: str | None, kind: str, target: Llama) -> DraftHead:
 
 
 class EagleDecoder(SpeculativeDecoder):
-    def __init__(self, runner, sampler, blocks, head: DraftHead, tree, timing: bool = False):
+    def __init__(self, runner, sampler, blocks, head: DraftHead, tree, timing: bool = False,
+                 policy: SpeculationPolicy | None = None):
         super().__init__(runner, sampler, blocks, timing)
-        self.head, self.tree = head, tree
+        self.head, self.tree, self.policy = head, tree, policy
         self.capture = head.capture
         self.kv = runner.new_cache(1, head.cfg.num_kv_heads, head.cfg.head_dim)
         self.head_layers = kv_layers(self.kv)
         self.root: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # seq_id -> root pair's (hidden, output) [H]
+        self.pending: dict[int, list[tuple[torch.Tensor, list[int]]]] = {}  # seq_id -> unfed (hidden [n, H], tokens)
+        self.caps: list[int] = []  # this round's depth caps per sequence
+        self.last_pairs, self.backlog_s = 0, 0.0  # pairs the last round left; feeding time not charged to a round
         fed = sum(tree.frontier_sizes())
         # Verification writes the tree at L ..; drafting the history at L - 1 ..
         self.lookahead = max(tree.verify_tokens, fed - 1)
 
+    @staticmethod
+    def verify_tokens(tree) -> list[int]:
+        """Tokens verified per sequence when drafting d = 0 .. depth levels: the root and the tree's budget,
+        capped by the candidates d levels hold."""
+        sizes = tree.frontier_sizes()
+        return [1 + min(tree.verify_tokens - 1, sum(sizes[:d]) * tree.topk) for d in range(tree.depth + 1)]
+
     def release(self, seq_ids):
         for sid in seq_ids:
             self.root.pop(sid, None)
+            self.pending.pop(sid, None)
 
     def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
         first, feature, captured, cu = self.prefill_target(seqs, self.capture)
         hidden = self.head.target_feature(feature, captured)                               # [T, H]
-        rows = list(range(cu[-1]))
-        tokens = [t for s, f in zip(seqs, first) for t in s.prompt_ids[1:] + [f]]
-        self._feed(seqs, [0] * len(seqs), [len(s.prompt_ids) for s in seqs], tokens, hidden, rows)
+        for b, (s, f) in enumerate(zip(seqs, first)):
+            self.pending[s.seq_id] = [(hidden[cu[b]:cu[b + 1]], s.prompt_ids[1:] + [f])]
         return [[t] for t in first]
 
-    def _feed(self, seqs, starts, counts, tokens, source, rows):
-        """Cache the pairs (source[rows[i]], tokens[i]), counts[b] of them from position starts[b]; each
-        sequence's last pair becomes its root pair."""
-        meta, pos, ids = self.runner.meta(self.plan(seqs, starts, counts), ids=tokens)
-        hidden = source.index_select(0, self.runner.index(rows))
-        out = self.head(ids, hidden, pos, self.head_layers[0], meta)
-        end = 0
-        for s, n in zip(seqs, counts):
-            end += n
-            self.root[s.seq_id] = (hidden[end - 1], out[end - 1])
+    def step(self, seqs: list[Sequence]) -> list[list[int]]:
+        if self.policy is None:
+            return super().step(seqs)
+        t0, graphs, self.backlog_s = time.perf_counter(), len(self.graphs), 0.0
+        new = super().step(seqs)
+        warm_up = self.runner.device.type == "cuda" and len(self.graphs) > graphs  # a step built: capture, compile
+        seconds = None if warm_up else time.perf_counter() - t0 - self.backlog_s
+        self.policy.observe(len(seqs), self.depth, seconds,
+                            [len(t) - 1 for t, cap in zip(new, self.caps) if cap >= self.depth])
+        return new
+
+    def drafted_depth(self, tree) -> int:
+        return self.depth
 
     def draft(self, seqs: list[Sequence]):
-        head, policy, runner = self.head, self.tree, self.runner
+        head, tree_policy, runner = self.head, self.tree, self.runner
         B = len(seqs)
-        caps = depth_caps(seqs, self.model.cfg.max_position)
+        self.caps = depth_caps(seqs, self.model.cfg.max_position)
+        want = tree_policy.depth if self.policy is None else self.policy.choose(B)
+        self.depth = min(want, max(self.caps))
         tree = Tree.roots(runner.to_device([s.all_ids[-1] for s in seqs]))
+        if self.depth == 0:
+            return tree, None
+        self._feed_pending(seqs)
         root_hidden = torch.stack([self.root[s.seq_id][0] for s in seqs])                  # [B, H]
         out = torch.stack([self.root[s.seq_id][1] for s in seqs])[:, None]                  # [B, 1, H]
         front = torch.zeros(B, 1, dtype=torch.int64, device=out.device)                     # node ids
         history = front
         starts = [cached_len(s) - 1 for s in seqs]
-        for depth in range(1, min(policy.depth, max(caps)) + 1):
+        for depth in range(1, self.depth + 1):
             if depth > 1:
                 fed = tree.subtree(history)                                                 # [B, n]
                 parent = fed.parents.long()
@@ -112,9 +139,29 @@ class EagleDecoder(SpeculativeDecoder):
                                      out.gather(1, parent.clamp(min=0)[..., None].expand(-1, -1, out.shape[-1])))
                 out = self._forward(seqs, starts, fed, hidden)                               # [B, n, H]
             F = front.shape[1]
-            tree, front = policy.expand(tree, head.logits(out[:, -F:]), front, depth, head.d2t)
+            tree, front = tree_policy.expand(tree, head.logits(out[:, -F:]), front, depth, head.d2t)
             history = torch.cat([history, front], 1)
-        return tree.select(policy.verify_tokens - 1, runner.to_device(caps)), None
+        return tree.select(tree_policy.verify_tokens - 1, runner.to_device(self.caps)), None
+
+    def _feed_pending(self, seqs):
+        """Feed every pending pair of `seqs` in one head forward; each sequence's last pair becomes its root."""
+        todo = [s for s in seqs if self.pending.get(s.seq_id)]
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        parts = [self.pending.pop(s.seq_id) for s in todo]
+        counts = [sum(len(t) for _, t in p) for p in parts]
+        hidden = torch.cat([h for p in parts for h, _ in p])                                # [T, H]
+        tokens = [t for p in parts for _, ts in p for t in ts]
+        meta, pos, ids = self.runner.meta(self.plan(todo, [cached_len(s) - n for s, n in zip(todo, counts)], counts),
+                                          ids=tokens)
+        out = self.head(ids, hidden, pos, self.head_layers[0], meta)
+        end = 0
+        for s, n in zip(todo, counts):
+            end += n
+            self.root[s.seq_id] = (hidden[end - 1], out[end - 1])
+        # Pairs left by earlier rounds (prefill, rounds without drafts) are not this round's cost.
+        self.backlog_s = (time.perf_counter() - t0) * (1 - min(self.last_pairs, len(tokens)) / len(tokens))
 
     def _forward(self, seqs, starts, fed: Tree, hidden) -> torch.Tensor:
         """The head over the drafted history (fed.tokens [B, n], hidden [B, n, H]) -> outputs [B, n, H]."""
@@ -135,8 +182,13 @@ class EagleDecoder(SpeculativeDecoder):
                          self.head_layers[0], g.meta)
 
     def catch_up(self, seqs: list[Sequence], v: Verdict):
-        B, N, H = v.feature.shape
-        hidden = self.head.target_feature(v.feature.flatten(0, 1), [c.flatten(0, 1) for c in v.captured])
+        N = v.feature.shape[1]
         rows = [b * N + i for b, path in enumerate(v.paths) for i in path]
-        tokens = [t for new in v.new_tokens for t in new]
-        self._feed(seqs, [cached_len(s) for s in seqs], [len(p) for p in v.paths], tokens, hidden, rows)
+        index = self.runner.index(rows)
+        hidden = self.head.target_feature(v.feature.flatten(0, 1).index_select(0, index),
+                                          [c.flatten(0, 1).index_select(0, index) for c in v.captured])
+        self.last_pairs = len(rows)
+        end = 0
+        for s, new in zip(seqs, v.new_tokens):
+            self.pending.setdefault(s.seq_id, []).append((hidden[end:end + len(new)], new))
+            end += len(new)

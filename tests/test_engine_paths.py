@@ -2,7 +2,10 @@
 implementations (Triton, run on CPU tensors by the interpreter inside `eagle_kernels.triton_on_cpu()`,
 with batches padded to CUDA-graph buckets as on a GPU). Every method, greedy and sampled, batch 1 and 4:
 greedy output equals vanilla's on the C++ path, caches come back empty, and a round's draft and verify
-bodies make no host reads (the GPU's sync-freedom, proven on the CPU)."""
+bodies make no host reads (the GPU's sync-freedom, proven on the CPU). The adaptive policy's choice runs
+inside the draft; its depths are forced through a schedule that visits every depth, 0 (no drafts) included."""
+import itertools
+
 import pytest
 import torch
 
@@ -21,7 +24,9 @@ METHODS = {
     "eagle-static": ("eagle", {"head": "random", "tree": "static"}),
     "eagle-dynamic": ("eagle", {"head": "random", "depth": 3, "topk": 3, "tree_tokens": 7}),
     "eagle3": ("eagle3", {"head": "random", "depth": 3, "topk": 4, "tree_tokens": 8}),
+    "eagle3-adaptive": ("eagle3", {"head": "random", "depth": 3, "topk": 4, "tree_tokens": 8, "adaptive": True}),
 }
+DEPTHS = [0, 3, 1, 0, 2]  # the adaptive policy's forced schedule
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +66,22 @@ def forbid_host_reads(decoder):
         setattr(decoder, name, wrapped)
 
 
+def force_depths(policy):
+    """The policy still decides (inside the guarded draft) but the schedule picks the depth."""
+    choose, schedule = policy.choose, itertools.cycle(DEPTHS)
+    policy.choose = lambda batch: (choose(batch), next(schedule))[1]
+
+
 def run(llm, prompts, method, args, greedy=True):
     llm.set_method(method, args)
     forbid_host_reads(llm.decoder)
+    if getattr(llm.decoder, "policy", None):
+        force_depths(llm.decoder.policy)
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.0 if greedy else 0.8,
                             top_k=0 if greedy else 20)
     seqs, stats = llm.generate(prompts, params)
+    if getattr(llm.decoder, "policy", None):  # rounds without drafts and with them
+        assert stats.extra["depth_hist"][0] >= 1 and sum(stats.extra["depth_hist"][1:]) >= 1
     assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
     assert not getattr(llm.decoder, "pending", None) and not getattr(llm.decoder, "next_logits", None)
     return [s.output_ids for s in seqs], stats.as_dict()
@@ -84,8 +99,8 @@ def test_greedy_equals_vanilla_without_host_reads(llm, reference, path, name):
         assert stats["tau"] > 1.0
 
 
-@pytest.mark.parametrize("path,name", [("cpu", n) for n in ["vanilla"] + list(METHODS)]
-                         + [("gpu", n) for n in ("vanilla", "sps", "eagle3")])  # the interpreter is slow
+@pytest.mark.parametrize("path,name", [("cpu", n) for n in ["vanilla"] + list(METHODS)]  # the interpreter is slow:
+                         + [("gpu", n) for n in ("vanilla", "sps", "eagle3", "eagle3-adaptive")])
 def test_sampled_runs_without_host_reads(llm, path, name):
     method, args = METHODS.get(name, ("vanilla", {}))
     with gpu_path(llm, path == "gpu"):

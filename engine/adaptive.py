@@ -1,0 +1,141 @@
+"""How deep to speculate, decided per round from measured costs and live acceptance (plain Python, no torch).
+
+A round that drafts d levels (d = 0: none, a plain decode step) verifies N_d tokens per sequence and yields
+E[tokens | d] = 1 + r_1 + ... + r_d per sequence, r_j being the fraction of rounds whose accepted path
+reached depth j. The batch's throughput is B * E[tokens | d] / seconds(B, d), so the policy picks
+
+    d* = argmax_d  E[tokens | d] / seconds(B, d)
+
+Speculation pays where verifying B * N_d rows costs about what B rows cost (a GPU at small batches, a CPU at
+batch 1), and stops paying once the batch alone fills the device: then d* = 0.
+
+- Acceptance: r_j = c_1 * ... * c_j, c_j being the chance that a path which reached depth j - 1 goes on to
+  depth j: a running mean over the sequence-rounds that drafted at least j deep (a window of about WINDOW
+  of them), starting from an optimistic prior (every draft accepted) worth PRIOR_WEIGHT observations. A
+  depth played rarely keeps its c_j while the shallower c_i follow the live acceptance, so its estimate
+  moves with the prompts' predictability as the played depths see it.
+- Cost: round wall times, kept per (batch bucket, d); batches are bucketed by powers of two. Samples taken
+  at exactly this batch size are preferred; others in the bucket are scaled per sequence. The estimate is
+  the fastest of the last SAMPLES: contention on a shared machine only ever adds time, and comes in bursts
+  that must not leave a depth played rarely with only slow samples. A round that built a step on a GPU
+  (graph capture, kernel compilation) reports no time.
+- Unmeasured shapes are predicted by one line fitted over the other measured shapes, seconds ~ a + b * rows
+  (rows = B * N_d verified tokens); with fewer than two distinct row counts measured there is no
+  prediction and the shape is simply tried. A shape measured once counts as the lower of its sample and
+  the prediction, so one slow first run (a noisy neighbour) does not lock a depth out.
+- Exploring: a new bucket starts at depth 0. Then the best measured depth is played, except that a depth
+  whose value is close to the best (or cannot be predicted yet) is tried once if it is unmeasured in this
+  bucket, and re-probed (the stalest first) while re-probes have taken less than PROBE_SHARE of the
+  bucket's time. Close means within SLACK, a margin that widens by SLACK every AGING rounds the depth goes
+  unplayed, since its estimates age: a burst of contention that made a depth look slow, or prompts that
+  got easier to draft, is re-checked sooner or later, and nothing the measurements predict to be clearly
+  worse is ever tried early, nor more than the budget allows.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+SAMPLES = 8         # round times kept per (bucket, depth)
+WINDOW = 64         # sequence-rounds the acceptance rates average over
+PRIOR_WEIGHT = 1    # sequence-rounds the optimistic prior (every draft accepted) is worth
+SLACK = 0.1         # a depth within 10% of the best is a close call, worth re-probing ...
+AGING = 100         # ... and the margin grows by SLACK every AGING rounds its estimate goes unrefreshed
+PROBE_SHARE = 0.03  # of a bucket's round time, the most its re-probes may take
+
+
+def bucket(batch: int) -> int:
+    return 1 << max(0, batch - 1).bit_length()
+
+
+class SpeculationPolicy:
+    """verify_tokens[d]: tokens verified per sequence when drafting d levels (verify_tokens[0] = 1, the root)."""
+
+    def __init__(self, verify_tokens: list[int]):
+        if not verify_tokens or verify_tokens[0] != 1:
+            raise ValueError(f"verify_tokens must start with 1 (the root alone), got {verify_tokens}")
+        self.tokens = list(verify_tokens)
+        self.depth = len(verify_tokens) - 1
+        self.accept = [1.0] * (self.depth + 1)            # c_j (c_0 unused)
+        self.weight = [float(PRIOR_WEIGHT)] * (self.depth + 1)
+        self.samples: dict[tuple[int, int], deque] = {}   # (bucket, d) -> (batch, seconds)
+        self.tried: dict[tuple[int, int], int] = {}       # (bucket, d) -> the round it was last played
+        self.spent: dict[int, float] = {}                 # bucket -> seconds of all its rounds
+        self.probed: dict[int, float] = {}                # bucket -> seconds of its re-probes
+        self.rounds = 0
+
+    def expected_tokens(self, d: int) -> float:
+        """1 + r_1 + ... + r_d with r_j = c_1 * ... * c_j."""
+        total, r = 1.0, 1.0
+        for c in self.accept[1:d + 1]:
+            r *= c
+            total += r
+        return total
+
+    def choose(self, batch: int) -> int:
+        """The depth to draft this round for a batch of `batch` sequences."""
+        k, depths = bucket(batch), range(self.depth + 1)
+        measured = [d for d in depths if (k, d) in self.samples]
+        if not measured:
+            return 0  # a new bucket starts with the cheapest round, the baseline every depth is compared with
+        value = [self.value(batch, d) for d in depths]
+        best = max(measured, key=lambda d: value[d])
+        age = {d: self.rounds - self.tried.get((k, d), self.rounds) for d in depths}
+        close = [d for d in depths if d != best and value[d] >= (1 - SLACK * (1 + age[d] / AGING)) * value[best]]
+        new = [d for d in close if d not in measured]
+        if new:
+            return min(new)
+        budget = PROBE_SHARE * self.spent.get(k, 0.0) - self.probed.get(k, 0.0)
+        due = [d for d in close if self.seconds(batch, d) <= budget]
+        if not due:
+            return best
+        probe = max(due, key=lambda d: age[d])
+        self.probed[k] = self.probed.get(k, 0.0) + self.seconds(batch, probe)
+        return probe
+
+    def value(self, batch: int, d: int) -> float:
+        """Expected tokens per second of the batch at depth d (inf: nothing to go on, worth a try)."""
+        seconds = self.seconds(batch, d)
+        return float("inf") if seconds is None else batch * self.expected_tokens(d) / max(seconds, 1e-9)
+
+    def seconds(self, batch: int, d: int) -> float | None:
+        """Estimated round time at this batch size and depth; None when there is nothing to go on."""
+        k = bucket(batch)
+        seen = self.samples.get((k, d))
+        if not seen:
+            return self.predict(batch * self.tokens[d], exclude=(k, d))
+        exact = [t for b, t in seen if b == batch]
+        est = min(exact or [t * batch / b for b, t in seen])
+        if len(seen) == 1:
+            guess = self.predict(batch * self.tokens[d], exclude=(k, d))
+            est = est if guess is None else min(est, guess)
+        return est
+
+    def predict(self, rows: int, exclude: tuple[int, int]) -> float | None:
+        """seconds ~ a + b * rows, least squares over one point per measured shape (its fastest sample) but
+        the one predicted for."""
+        pts = []
+        for (k, d), seen in self.samples.items():
+            if (k, d) != exclude:
+                b, t = min(seen, key=lambda s: s[1])
+                pts.append((b * self.tokens[d], t))
+        if len({x for x, _ in pts}) < 2:
+            return None
+        n = len(pts)
+        mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts))
+        return max(0.0, my + slope * (rows - mx))
+
+    def observe(self, batch: int, d: int, seconds: float | None, accepted: list[int]):
+        """A finished round: its depth, wall time (None: not representative) and the accepted draft lengths
+        of the sequences that could have reached depth d."""
+        k = bucket(batch)
+        self.tried[k, d], self.rounds = self.rounds, self.rounds + 1
+        if seconds is not None:
+            self.samples.setdefault((k, d), deque(maxlen=SAMPLES)).append((batch, seconds))
+            self.spent[k] = self.spent.get(k, 0.0) + seconds
+        for j in range(1, d + 1):
+            reached = [a for a in accepted if a >= j - 1]
+            if reached:
+                hits, n = sum(a >= j for a in reached), len(reached)
+                self.accept[j] = (self.accept[j] * self.weight[j] + hits) / (self.weight[j] + n)
+                self.weight[j] = min(self.weight[j] + n, WINDOW)

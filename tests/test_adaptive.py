@@ -1,0 +1,220 @@
+"""The adaptive speculation policy: its choices on synthetic devices (costs and acceptance given), and the
+decoder it drives on the real SmolLM2 target: greedy output is vanilla's whatever depth each round drafts,
+and the head drafts what an always-drafting decoder drafts at every position (its cache stays complete
+across rounds that draft nothing)."""
+import random
+
+import pytest
+import torch
+
+from engine.adaptive import PROBE_SHARE, SpeculationPolicy
+from engine.llm import LLM
+from engine.run import parse_args
+from engine.scheduler import SamplingParams
+from engine.spec_eagle import EagleDecoder, eagle_head
+from engine.trees import DynamicTree
+import tests.test_speculative_sampling as sampling
+from tests.test_speculative import PROMPTS
+from tests.test_speculative_sampling import exact, tiny  # noqa: F401 (fixtures)
+
+CPU_TREE = [1, 3, 4]  # verified tokens at depth 0, 1, 2 of the CPU default tree (2, 2, 4)
+
+
+def roofline(flat: float, per_row: float, per_depth: float):
+    """A device whose round verifies `rows` tokens at max(flat, per_row * rows) plus a draft cost per level."""
+    return lambda batch, d: max(flat, per_row * batch * CPU_TREE[d]) + per_depth * d
+
+
+CPU = roofline(0.020, 0.0032, 0.002)  # about this CPU: flat up to ~6 rows, then compute-bound
+
+
+def simulate(policy, batch, rounds, seconds, accept, rng, slow=None):
+    """`rounds` rounds at `batch`: sequence paths reach depth j with probability accept[j - 1]; `slow`: a
+    depth whose first round takes 10x. -> the depths chosen."""
+    chosen = []
+    for _ in range(rounds):
+        d = policy.choose(batch)
+        u = [rng.random() for _ in range(batch)]
+        lengths = [sum(x < a for a in accept[:d]) for x in u]
+        t = seconds(batch, d) * (10 if d == slow and d not in chosen else 1)
+        policy.observe(batch, d, t, lengths)
+        chosen.append(d)
+    return chosen
+
+
+def test_expensive_verification_means_no_drafts():
+    """Batch 16 on the CPU: verifying 3 tokens per sequence costs 3x, 1.6 tokens come back."""
+    policy = SpeculationPolicy(CPU_TREE)
+    chosen = simulate(policy, 16, 200, CPU, [0.6, 0.3], random.Random(0))
+    assert chosen[0] == 0 and sum(d > 0 for d in chosen) <= 1  # depth 1 tried once; depth 2 predicted worse
+    assert policy.expected_tokens(2) < 1.9  # the optimistic prior (3 tokens) gave way to what one round saw
+
+
+def test_cheap_verification_means_full_depth():
+    policy = SpeculationPolicy(CPU_TREE)
+    chosen = simulate(policy, 1, 200, CPU, [0.6, 0.3], random.Random(1))
+    assert chosen.count(2) >= 170
+    assert chosen.count(0) == 1  # the baseline, measured once: clearly worse
+    probes = chosen.count(1) - 1  # a close call: tried, then re-probed within its share of the time
+    assert 1 <= probes and probes * CPU(1, 1) <= PROBE_SHARE * sum(CPU(1, d) for d in chosen)
+
+
+def test_reacts_to_the_batch_size_and_explores_little():
+    policy, rng = SpeculationPolicy(CPU_TREE), random.Random(2)
+    alone = simulate(policy, 1, 100, CPU, [0.6, 0.3], rng)
+    full = simulate(policy, 64, 100, CPU, [0.6, 0.3], rng)
+    again = simulate(policy, 1, 20, CPU, [0.6, 0.3], rng)
+    assert alone[-50:].count(2) >= 45
+    assert sum(d > 0 for d in full) <= 1 and full[-90:] == [0] * 90
+    assert again.count(2) >= 17  # measured before: back to full depth at once (stale estimates re-probed)
+
+
+def test_a_slow_first_round_does_not_lock_a_depth_out():
+    policy = SpeculationPolicy(CPU_TREE)
+    chosen = simulate(policy, 1, 100, CPU, [0.6, 0.3], random.Random(3), slow=2)
+    assert chosen[-50:].count(2) >= 45
+
+
+def test_a_burst_of_contention_does_not_lock_the_baseline_out():
+    """Batch 4: depth 0's first rounds run 1.6x slow (another job), so depth 1 looks better for a while;
+    depth 0's estimate ages and it is re-probed."""
+    rounds = iter(range(10**6))
+    noisy = lambda batch, d: CPU(batch, d) * (1.6 if next(rounds) < 5 and d == 0 else 1.0)
+    chosen = simulate(SpeculationPolicy(CPU_TREE), 4, 400, noisy, [0.6, 0.3], random.Random(5))
+    assert chosen[:50].count(1) > 25 and chosen[-200:].count(0) >= 190
+
+
+def test_acceptance_collapse_turns_speculation_off():
+    policy, rng = SpeculationPolicy(CPU_TREE), random.Random(4)
+    simulate(policy, 1, 100, CPU, [0.6, 0.3], rng)
+    chosen = simulate(policy, 1, 300, CPU, [0.0, 0.0], rng)
+    assert chosen[-100:].count(0) >= 85
+
+
+def test_unmeasured_rounds_report_no_time():
+    """A round that built a step (graph capture) reports seconds=None: the shape stays unmeasured and is
+    tried again."""
+    policy = SpeculationPolicy(CPU_TREE)
+    assert policy.choose(4) == 0
+    policy.observe(4, 0, None, [])
+    assert policy.choose(4) == 0
+    policy.observe(4, 0, 0.02, [])
+    assert policy.choose(4) == 1  # no line through one point yet: tried
+
+
+def test_verify_tokens_per_depth():
+    assert EagleDecoder.verify_tokens(DynamicTree(2, 2, 4)) == [1, 3, 4]
+    assert EagleDecoder.verify_tokens(DynamicTree(6, 10, 60)) == [1, 11, 60, 60, 60, 60, 60]
+    assert EagleDecoder.verify_tokens(DynamicTree(3, 2, 16)) == [1, 3, 7, 11]
+    with pytest.raises(ValueError, match="start with 1"):
+        SpeculationPolicy([3, 4])
+
+
+# ------------------------------------------------------------------------------------- on the real target
+
+class Cycle:
+    """A policy stub that walks through the depths round by round."""
+
+    def __init__(self, depths):
+        self.depths, self.i = depths, 0
+
+    def choose(self, batch):
+        self.i += 1
+        return self.depths[(self.i - 1) % len(self.depths)]
+
+    def observe(self, batch, d, seconds, accepted):
+        assert seconds is None or seconds > 0
+
+
+NEW = 40
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def setup(request):
+    threads = torch.get_num_threads()
+    llm = LLM("smollm2-135m", request.param, device="cpu", kv_cache_gb=0.25, max_batch=4, threads=1)
+    prompts = [llm.chat_ids(p) for p in PROMPTS[:4]]
+    llm.set_method("vanilla")
+    ref = [s.output_ids for s in llm.generate(prompts, SamplingParams(max_new_tokens=NEW))[0]]
+    yield llm, prompts, ref
+    torch.set_num_threads(threads)
+
+
+def eagle3(llm, policy):
+    decoder = EagleDecoder(llm.runner, llm.sampler, llm.scheduler.blocks, eagle_head(None, "eagle3", llm.model),
+                           DynamicTree(2, 2, 4), policy=policy)
+    llm.decoder, llm.scheduler.lookahead = decoder, decoder.lookahead
+    return decoder
+
+
+def record_drafts(decoder, into: dict):
+    """Note each drafting round's best depth-1 draft per (prompt, position)."""
+    verify = decoder.verify
+
+    def wrapped(seqs, tree, draft_probs=None):
+        if tree.num_nodes > 1:
+            for s, tok in zip(seqs, tree.tokens[:, 1].tolist()):
+                into[tuple(s.prompt_ids), len(s.all_ids)] = tok
+        return verify(seqs, tree, draft_probs)
+    decoder.verify = wrapped
+
+
+def test_every_depth_is_lossless_and_drafts_as_always_drafting(setup):
+    llm, prompts, ref = setup
+    always, cycling = {}, {}
+    record_drafts(eagle3(llm, None), always)
+    assert [s.output_ids for s in llm.generate(prompts, SamplingParams(max_new_tokens=NEW))[0]] == ref
+    for batch in (prompts[:1], prompts):  # alone, then a batch whose depth changes every round
+        decoder = eagle3(llm, Cycle([0, 1, 2, 0, 0, 2, 1]))
+        record_drafts(decoder, cycling)
+        seqs, stats = llm.generate(batch, SamplingParams(max_new_tokens=NEW))
+        assert [s.output_ids for s in seqs] == ref[:len(batch)]
+        assert stats.extra["depth_hist"][0] > 0 and all(stats.extra["depth_hist"])
+        assert stats.extra["tau"] > 1.1
+        assert not decoder.pending and not decoder.root
+        assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
+    both = always.keys() & cycling.keys()
+    assert len(both) > 20
+    same = sum(always[k] == cycling[k] for k in both)
+    assert same >= len(both) - (0 if llm.runner.dtype == torch.float32 else 1)
+
+
+def test_sampling_is_lossless_at_every_depth(tiny, exact, monkeypatch):  # noqa: F811
+    """The sequence distribution is the target's when rounds without drafts mix with drafting ones."""
+    def use(llm, method, **args):
+        llm.set_method(method, args)
+        if method != "vanilla":
+            llm.decoder.policy = Cycle([3, 0, 2])
+    monkeypatch.setattr(sampling, "use", use)
+    monkeypatch.setattr(sampling, "MIN_TAU", 1.1)   # a third of the rounds draft nothing
+    sampling.test_sampling_is_lossless(tiny, exact, "eagle3")
+
+
+def test_auto_is_lossless(setup):
+    llm, prompts, ref = setup
+    decoder = llm.set_method("auto")
+    assert isinstance(decoder.policy, SpeculationPolicy)
+    for batch in (prompts[:1], prompts):
+        seqs, stats = llm.generate(batch, SamplingParams(max_new_tokens=NEW))
+        assert [s.output_ids for s in seqs] == ref[:len(batch)]
+        assert sum(stats.extra["depth_hist"]) == stats.steps
+        assert decoder.depth in (0, 1, 2)
+    assert llm.set_method("vanilla").depth == 0
+
+
+def test_adaptive_flag():
+    args = parse_args(["--method", "eagle3", "--adaptive", "hi"])
+    assert args.adaptive is True and parse_args(["hi"]).adaptive is None
+
+
+def test_methods_take_the_policy(setup):
+    llm, _, _ = setup
+    assert llm.set_method("eagle3").policy is None
+    assert isinstance(llm.set_method("eagle3", {"adaptive": True}).policy, SpeculationPolicy)
+    assert isinstance(llm.set_method("eagle", {"head": "random", "adaptive": True}).policy, SpeculationPolicy)
+    assert llm.set_method("auto", {"tree": "static"}).policy is None
+    with pytest.raises(ValueError, match="--adaptive not used by --method eagle3 --tree static"):
+        llm.set_method("eagle3", {"tree": "static", "adaptive": True})
+    with pytest.raises(ValueError, match="--adaptive not used by --method sps"):
+        llm.set_method("sps", {"adaptive": True})
+    llm.set_method("vanilla")
