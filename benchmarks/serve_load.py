@@ -22,6 +22,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,7 +47,7 @@ class ServerProcess:
             cmd += ["--threads", str(args.threads)]
         if args.kv_cache_gb:
             cmd += ["--kv-cache-gb", str(args.kv_cache_gb)]
-        self.log = open(Path(args.out).with_suffix(f".{method}.log"), "w")
+        self.log = open(Path(tempfile.gettempdir()) / f"serve_load.{method}.{self.port}.log", "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
 
