@@ -92,7 +92,8 @@ class Buffer {
 };
 
 // Per-thread scratch kept between calls (fresh large buffers would page-fault on every call): packed x
-// (the calling thread's), a packed weight tile and parked accumulators (each worker's).
+// (the calling thread's; it keeps the largest M x K fp32 seen, 12 MB for 2048 x 1536), a widened weight
+// tile and parked accumulators (each worker's, <= 0.6 MB).
 struct Scratch {
   Buffer x, w, part;
 };
