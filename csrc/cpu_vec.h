@@ -12,6 +12,8 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define EAGLE_AVX2 __attribute__((target("avx2,fma,f16c")))
+// AVX-512 foundation on top of EAGLE_AVX2; picked at run time with has_avx512().
+#define EAGLE_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 #endif
 
 namespace eagle::cpu {
@@ -20,6 +22,15 @@ inline bool has_avx2() {
 #if defined(__x86_64__)
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                          __builtin_cpu_supports("f16c");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+inline bool has_avx512() {
+#if defined(__x86_64__)
+  static const bool ok = has_avx2() && __builtin_cpu_supports("avx512f");
   return ok;
 #else
   return false;
