@@ -62,9 +62,15 @@ def ops():
 
 
 def has_kernel(op: str, device: torch.device) -> bool:
-    """Whether eagle::<op> has a kernel for the device type (CUDA kernels exist only in CUDA builds)."""
+    """Whether eagle::<op> has a kernel for the device type (CUDA kernels exist only in CUDA builds; an
+    extension built before the op was added has none)."""
     key = "CUDA" if device.type == "cuda" else device.type.upper()
-    return _LOAD_ERROR is None and torch._C._dispatch_has_kernel_for_dispatch_key(f"eagle::{op}", key)
+    if _LOAD_ERROR is not None:
+        return False
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"eagle::{op}", key)
+    except RuntimeError:  # no such operator
+        return False
 
 
 def check_tensor(t, name: str, dtype: torch.dtype, shape: tuple, device: torch.device | None = None):

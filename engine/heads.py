@@ -281,7 +281,7 @@ def new_head(kind: str, target: Llama, **kwargs) -> DraftHead:
     """A randomly initialised head of `kind` ("eagle" / "eagle3") for `target` (training, tests)."""
     if kind not in HEADS:
         raise ValueError(f"head kind must be one of {', '.join(HEADS)}, got {kind!r}")
-    weight = target.embed_tokens.weight
+    weight = target.norm.weight  # the target's device and compute dtype
     return HEADS[kind](head_config(target.cfg), target, **kwargs).to(weight.device, weight.dtype).eval()
 
 
@@ -321,7 +321,7 @@ def load_head(path: str | Path, target: Llama, kind: str | None = None) -> Draft
         head = Eagle3Head(cfg, target, vd)
         _vocab_map(head, tensors, path)
     _load_tensors(head, tensors, path)
-    weight = target.embed_tokens.weight
+    weight = target.norm.weight  # the target's device and compute dtype
     return head.to(weight.device, weight.dtype).eval()
 
 
@@ -438,9 +438,10 @@ def _load_tensors(head: DraftHead, tensors: dict[str, torch.Tensor], path: Path)
                 loaded[name] = torch.cat([tensors.pop(base + p) for p in parts], dim=0)
     for name, t in tensors.items():
         if name in _IGNORED:
-            if t.shape != head.embed_tokens.weight.shape:
+            embedding = (head.target_cfg.vocab_size, head.target_cfg.hidden_size)
+            if tuple(t.shape) != embedding:
                 raise ValueError(f"head {path}: {name} has shape {tuple(t.shape)}, the target's embedding "
-                                 f"is {tuple(head.embed_tokens.weight.shape)}")
+                                 f"is {embedding}")
             continue
         if name.endswith(_IGNORED_SUFFIX) and name not in expected:
             continue

@@ -41,12 +41,13 @@ class RunStats:
 
 class LLM:
     """device: "auto" (cuda when a GPU is visible), "cpu" or "cuda"; dtype, kv_cache_gb and cuda_graphs
-    default to the device's (engine/device.py)."""
+    default to the device's (engine/device.py); weights: engine.loader.WEIGHTS (auto: a GGUF's blocks stay
+    quantized on the CPU)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str | None = None, device: str = "auto",
                  kv_cache_gb: float | None = None, block_size: int = 16, max_batch: int = 16, seed: int = 0,
                  method: str = "vanilla", method_args: dict | None = None, threads: int | None = None,
-                 cuda_graphs: bool | None = None, timing: bool = False):
+                 cuda_graphs: bool | None = None, timing: bool = False, weights: str = "auto"):
         self.device = resolve_device(device)
         preset = defaults(self.device)
         dtype = dtype or preset.dtype
@@ -56,7 +57,7 @@ class LLM:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         if threads:
             torch.set_num_threads(threads)
-        self.model, self.cfg, self.source = load_model(model, DTYPES[dtype], str(self.device))
+        self.model, self.cfg, self.source = load_model(model, DTYPES[dtype], str(self.device), weights)
         self.tokenizer = load_tokenizer(self.source)
         gb = kv_cache_gb if kv_cache_gb is not None else preset.kv_cache_gb
         if gb is None:  # a share of what the weights left free

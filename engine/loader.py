@@ -17,7 +17,9 @@ import numpy as np
 import torch
 
 from .config import LlamaConfig
-from .model import Llama
+import eagle_kernels.quant as quant
+
+from .model import Llama, QEmbedding, QLinear
 
 
 class ModelNotFoundError(RuntimeError):
@@ -112,42 +114,82 @@ def hf_to_engine_name(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-class _Assembler:
-    """Collects parameters (fusing q/k/v and gate/up as their parts arrive) into a meta-built model."""
+# --weights: "auto" keeps a GGUF's blocks where a kernel runs them (Q8_0, Q4_1 on the CPU) and dequantizes
+# the rest; "bf16" dequantizes everything to the engine's dtype; "q8_0" / "q4" (re)quantize the linear layers
+# (q4: Q4_1, with Q8_0 embeddings and LM head, as the embedded GGUF has them).
+WEIGHTS = ("auto", "bf16", "q8_0", "q4")
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
-        self.model, self.dtype = model, dtype
+
+def weight_format(weights: str, name: str, src: str | None, K: int) -> str | None:
+    """The block type parameter `name` ([N, K]) is kept in, or None for a float tensor."""
+    matrix = name.endswith("_proj.weight") or name in ("embed_tokens.weight", "lm_head.weight")
+    if weights == "bf16" or not matrix or not quant.supports(K):
+        return None
+    if weights == "auto":
+        return src if src in quant.QTYPES else None
+    return "q4_1" if weights == "q4" and name.endswith("_proj.weight") else "q8_0"
+
+
+class _Assembler:
+    """Collects parameters (fusing q/k/v and gate/up as their parts arrive) into a meta-built model.
+    A tensor is float, or GGUF blocks (uint8 [rows, row bytes]) with its type name."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, weights: str = "bf16"):
+        self.model, self.dtype, self.weights = model, dtype, weights
         self.params = dict(model.named_parameters())
-        self.pending: dict[str, dict[int, torch.Tensor]] = {}
+        self.pending: dict[str, dict[int, tuple[torch.Tensor, str | None]]] = {}
         self.loaded: set[str] = set()
 
-    def add(self, name: str, tensor: torch.Tensor, part: int | None = None):
+    def keeps(self, name: str, src: str) -> bool:
+        """Whether blocks of type `src` for `name` are kept as they are (else they arrive dequantized)."""
+        param = self.params.get(name)
+        return param is not None and param.dim() == 2 and weight_format(self.weights, name, src, param.shape[1]) == src
+
+    def add(self, name: str, tensor: torch.Tensor, part: int | None = None, qtype: str | None = None):
         if name == "lm_head.weight" and self.model.cfg.tie_embeddings:
             return
         if name not in self.params:
             return  # e.g. rotary inv_freq buffers stored by some exporters
         if part is not None:
             parts = self.pending.setdefault(name, {})
-            parts[part] = tensor.to(self.dtype)
+            parts[part] = (tensor if qtype else tensor.to(self.dtype), qtype)
             if len(parts) < _PARTS[name.split(".", 2)[2]]:
                 return
-            tensor = torch.cat([parts[i] for i in range(len(parts))], dim=0)
             del self.pending[name]
-        self._set(name, tensor.to(self.dtype))
+            tensors, qtypes = zip(*(parts[i] for i in range(len(parts))))
+            if len(set(qtypes)) > 1:  # mixed block types: fuse as floats
+                tensors = [quant.dequantize(t, q).to(self.dtype) if q else t for t, q in zip(tensors, qtypes)]
+                qtypes = (None,)
+            tensor, qtype = torch.cat(tensors, dim=0), qtypes[0]
+        self._set(name, tensor, qtype)
 
-    def _set(self, name: str, tensor: torch.Tensor):
-        expected = self.params[name].shape
-        if tuple(tensor.shape) != tuple(expected):
-            raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                             f"the config implies {tuple(expected)}")
+    def _set(self, name: str, tensor: torch.Tensor, qtype: str | None):
+        expected = tuple(self.params[name].shape)
+        want = weight_format(self.weights, name, qtype, expected[-1]) if len(expected) == 2 else None
+        if qtype and want != qtype:
+            tensor, qtype = quant.dequantize(tensor, qtype), None
+        got = tuple(tensor.shape) if qtype is None else (tensor.shape[0], tensor.shape[1] // quant.QTYPES[qtype][1] * quant.BLOCK)
+        if got != expected:
+            raise ValueError(f"checkpoint tensor {name} has shape {got}, the config implies {expected}")
         module_name, attr = name.rsplit(".", 1)
-        module = self.model.get_submodule(module_name)
-        setattr(module, attr, torch.nn.Parameter(tensor.contiguous(), requires_grad=False))
+        if want:
+            blocks = tensor if qtype else quant.quantize(tensor, want)
+            parent, child = module_name.rpartition(".")[::2]
+            module = QEmbedding(blocks.contiguous(), want, expected[1], self.dtype) if child == "embed_tokens" \
+                else QLinear(blocks.contiguous(), want, expected[1])
+            setattr(self.model.get_submodule(parent) if parent else self.model, child, module)
+        else:
+            setattr(self.model.get_submodule(module_name), attr,
+                    torch.nn.Parameter(tensor.to(self.dtype).contiguous(), requires_grad=False))
         self.loaded.add(name)
 
     def finish(self, source: str) -> torch.nn.Module:
         if self.model.cfg.tie_embeddings:
-            self.model.lm_head.weight = self.model.embed_tokens.weight
+            embed = self.model.embed_tokens
+            if isinstance(embed, QEmbedding):
+                self.model.lm_head = QLinear(embed.qweight, embed.qtype, embed.embedding_dim)
+            else:
+                self.model.lm_head.weight = embed.weight
             self.loaded.add("lm_head.weight")
         missing = sorted(set(self.params) - self.loaded)
         if missing:
@@ -165,7 +207,7 @@ def _meta_model(cfg: LlamaConfig) -> Llama:
     return model
 
 
-def load_hf_checkpoint(path: Path, dtype: torch.dtype) -> tuple[Llama, LlamaConfig]:
+def load_hf_checkpoint(path: Path, dtype: torch.dtype, weights: str = "bf16") -> tuple[Llama, LlamaConfig]:
     from safetensors import safe_open
     cfg = LlamaConfig.from_hf(json.loads((path / "config.json").read_text()))
     index = path / "model.safetensors.index.json"
@@ -175,7 +217,7 @@ def load_hf_checkpoint(path: Path, dtype: torch.dtype) -> tuple[Llama, LlamaConf
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{path}: no *.safetensors weights found next to config.json")
-    asm = _Assembler(_meta_model(cfg), dtype)
+    asm = _Assembler(_meta_model(cfg), dtype, weights)
     for fname in files:
         fpath = path / fname
         if not fpath.exists():
@@ -236,7 +278,7 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: Path, dtype: torch.dtype) -> tuple[Llama, LlamaConfig]:
+def load_gguf(path: Path, dtype: torch.dtype, weights: str = "bf16") -> tuple[Llama, LlamaConfig]:
     import gguf
     from tqdm import tqdm
     try:
@@ -244,31 +286,41 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[Llama, LlamaConfig]:
     except Exception as e:  # gguf raises ValueError/struct.error/IndexError on truncated files
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     cfg = gguf_config(reader)
-    asm = _Assembler(_meta_model(cfg), dtype)
-    for t in tqdm(reader.tensors, desc="dequantizing GGUF", leave=False, disable=None):
-        w = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = w.reshape([int(d) for d in reversed(t.shape)] if w.ndim == 1 and len(t.shape) > 1 else w.shape)
+    asm = _Assembler(_meta_model(cfg), dtype, weights)
+    for t in tqdm(reader.tensors, desc="loading GGUF", leave=False, disable=None):
         if t.name in _GGUF_GLOBAL:
-            asm.add(_GGUF_GLOBAL[t.name], torch.from_numpy(np.array(w, dtype=np.float32)))
-            continue
-        _, layer, kind, _ = t.name.split(".")
-        if kind == "attn_q":
+            name, part, kind = _GGUF_GLOBAL[t.name], None, None
+        else:
+            _, layer, kind, _ = t.name.split(".")
+            target, part = _GGUF_FUSED.get(kind, (_GGUF_NAMES.get(kind), None))
+            name = f"layers.{layer}.{target}"
+        src = t.tensor_type.name.lower()
+        if asm.keeps(name, src):  # the blocks as stored: uint8 [rows, row bytes]
+            w, qtype = np.asarray(t.data), src
+        else:
+            w, qtype = gguf.quants.dequantize(t.data, t.tensor_type), None
+            w = w.reshape([int(d) for d in reversed(t.shape)] if w.ndim == 1 and len(t.shape) > 1 else w.shape)
+        if kind == "attn_q":  # whole rows move, so blocks can be permuted too
             w = unpermute_rope_rows(w, cfg.num_heads)
         elif kind == "attn_k":
             w = unpermute_rope_rows(w, cfg.num_kv_heads)
-        tensor = torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: the mmap is read-only
-        if kind in _GGUF_FUSED:
-            target, part = _GGUF_FUSED[kind]
-            asm.add(f"layers.{layer}.{target}", tensor, part)
-        else:
-            asm.add(f"layers.{layer}.{_GGUF_NAMES[kind]}", tensor)
+        tensor = torch.from_numpy(np.array(w, dtype=np.uint8 if qtype else np.float32))  # a copy: the mmap is read-only
+        asm.add(name, quant.from_gguf(tensor, qtype) if qtype else tensor, part, qtype)
     return asm.finish(str(path)).eval(), cfg
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """-> (model, config, source). Raises ModelNotFoundError / ValueError with one-line messages."""
+def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", weights: str = "auto"):
+    """-> (model, config, source). `weights`: one of WEIGHTS; block-quantized weights run on the CPU only
+    ("auto" dequantizes on other devices). Raises ModelNotFoundError / ValueError with one-line messages."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if torch.device(device).type != "cpu":
+        if weights not in ("auto", "bf16"):
+            raise ValueError(f"--weights {weights} runs on the CPU only (its kernels are CPU kernels); "
+                             f"use --weights bf16 on {device}")
+        weights = "bf16"
     src = resolve_model(name)
-    model, cfg = (load_gguf if src.kind == "gguf" else load_hf_checkpoint)(src.path, dtype)
+    model, cfg = (load_gguf if src.kind == "gguf" else load_hf_checkpoint)(src.path, dtype, weights)
     return model.to(device), cfg, src
 
 

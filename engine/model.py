@@ -33,6 +33,30 @@ class Linear(nn.Linear):
         return eagle_kernels.linear(x, self.weight, self.bias)
 
 
+class QLinear(nn.Module):
+    """A linear layer on GGUF block-quantized weights (CPU): qweight uint8 [N, K / 32 * block bytes]."""
+
+    def __init__(self, qweight: torch.Tensor, qtype: str, in_features: int):
+        super().__init__()
+        self.register_buffer("qweight", qweight)
+        self.qtype, self.in_features, self.out_features = qtype, in_features, qweight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return eagle_kernels.linear_q(x, self.qweight, self.qtype)
+
+
+class QEmbedding(nn.Module):
+    """An embedding table in GGUF blocks (shared with a tied QLinear LM head); rows come out in `dtype`."""
+
+    def __init__(self, qweight: torch.Tensor, qtype: str, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("qweight", qweight)
+        self.qtype, self.embedding_dim, self.dtype = qtype, dim, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return eagle_kernels.embedding_q(ids, self.qweight, self.qtype, self.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

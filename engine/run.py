@@ -6,7 +6,7 @@ import json
 import sys
 
 from .device import add_device_arg
-from .loader import DEFAULT_MODEL, REGISTRY, ModelNotFoundError
+from .loader import DEFAULT_MODEL, REGISTRY, WEIGHTS, ModelNotFoundError
 from .llm import DTYPES, LLM
 from .scheduler import SamplingParams
 
@@ -32,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser, max_batch: int):
     add_device_arg(p)
     p.add_argument("--dtype", default=None, choices=list(DTYPES),
                    help="default bfloat16; float32 is the parity reference, ~2.5x slower on a CPU")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS,
+                   help="auto: a GGUF's Q8_0/Q4_1 blocks stay quantized on the CPU; bf16: dequantize to --dtype; "
+                        "q8_0 / q4: (re)quantize the linear layers (CPU)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode, draft and verify steps eagerly on a GPU")
     p.add_argument("--method", default=None, help="decoding method (default: the best available)")
@@ -50,7 +53,7 @@ def build_llm(args) -> LLM:
     method_args = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _ in METHOD_FLAGS}
     return LLM(args.model, args.dtype, device=args.device, cuda_graphs=args.cuda_graphs,
                kv_cache_gb=args.kv_cache_gb, block_size=args.block_size, max_batch=args.max_batch,
-               seed=args.seed, method=args.method or default_method(),
+               seed=args.seed, method=args.method or default_method(), weights=args.weights,
                method_args={k: v for k, v in method_args.items() if v is not None}, threads=args.threads)
 
 

@@ -87,8 +87,10 @@ def run(llm, prompts, method, args, greedy=True):
     return [s.output_ids for s in seqs], stats.as_dict()
 
 
-@pytest.mark.parametrize("path", ["cpu", "gpu"])
-@pytest.mark.parametrize("name", ["vanilla"] + list(METHODS))
+# The interpreter is slow: the GPU path leaves out the static tree (grown by torch ops, the same on both paths,
+# and verified by the kernels the dynamic trees use).
+@pytest.mark.parametrize("path,name", [("cpu", n) for n in ["vanilla"] + list(METHODS)]
+                         + [("gpu", n) for n in ["vanilla"] + list(METHODS) if n != "eagle-static"])
 def test_greedy_equals_vanilla_without_host_reads(llm, reference, path, name):
     method, args = METHODS.get(name, ("vanilla", {}))
     with gpu_path(llm, path == "gpu"):
@@ -100,7 +102,7 @@ def test_greedy_equals_vanilla_without_host_reads(llm, reference, path, name):
 
 
 @pytest.mark.parametrize("path,name", [("cpu", n) for n in ["vanilla"] + list(METHODS)]  # the interpreter is slow:
-                         + [("gpu", n) for n in ("vanilla", "sps", "eagle3", "eagle3-adaptive")])
+                         + [("gpu", n) for n in ("vanilla", "sps", "eagle3-adaptive")])
 def test_sampled_runs_without_host_reads(llm, path, name):
     method, args = METHODS.get(name, ("vanilla", {}))
     with gpu_path(llm, path == "gpu"):

@@ -1,0 +1,194 @@
+"""This engine against its CPU peers on the same GGUF, one request at a time, greedy.
+
+    python benchmarks/e2e_cpu_peers.py [--prompts 10] [--max-tokens 128] [--threads 2]
+        [--weights auto,bf16] [--no-transformers] [--png benchmarks/plots/e2e_cpu_peers.png]
+
+Contenders, alternated prompt by prompt (each prompt runs through every contender back to back, in an
+order that rotates, so load drift on a shared machine hits all alike):
+  - this engine, vanilla and the default method (`auto`: EAGLE-3 with adaptive depth), per weight format
+    (--weights: auto = the GGUF's own Q4_1/Q8_0 blocks, bf16 = dequantized);
+  - llama.cpp through llama-cpp-python (optional: `pip install llama-cpp-python`; the same GGUF file, the
+    same threads), greedy;
+  - transformers' generate (the GGUF dequantized by transformers, bf16), greedy.
+Every contender gets the same chat-templated prompt tokens and generates exactly --max-tokens tokens (EOS
+ignored). Reported per contender: decode tokens/s (tokens after the first over the time after the first:
+prefill costs all alike), end-to-end tokens/s, medians over prompts, and ratios to llama.cpp's. The
+engine's speculative outputs are checked token for token against its vanilla outputs of the same weights.
+Prompts: MT-bench-style chat turns (writing, roleplay, reasoning, math, coding, extraction, STEM,
+humanities), written for this benchmark.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.llm import LLM
+from engine.loader import resolve_model
+from engine.scheduler import SamplingParams
+
+PROMPTS = [
+    "Write a short blog post about a weekend trip to a small mountain village, with two things to see and one dish to try.",
+    "Pretend you are a ship's captain in the 1700s. Describe the morning you first spot an unknown island.",
+    "A farmer has 17 sheep. All but 9 run away. How many sheep are left? Explain your reasoning step by step.",
+    "Solve for x: 3x + 7 = 2x - 5. Then check your answer by substituting it back.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively, and explain its complexity.",
+    "Extract the names and years from this text as a list: 'Ada Lovelace published her notes in 1843; "
+    "Alan Turing wrote his paper in 1936.'",
+    "Explain why the sky is blue to a high school student, in two paragraphs.",
+    "What were the main causes of the French Revolution? Give three and explain each briefly.",
+    "Compose a polite email to a colleague asking to move our Tuesday meeting to Thursday afternoon.",
+    "Describe how a hash table works and when you would choose one over a sorted list.",
+]
+
+
+class Engine:
+    def __init__(self, model: str, weights: str, threads: int):
+        self.llm = LLM(model, "bfloat16", device="cpu", weights=weights, threads=threads, max_batch=1,
+                       kv_cache_gb=0.25)
+
+    def run(self, ids: list[int], n: int, method: str) -> tuple[list[int], float, float]:
+        """-> (tokens, seconds to the first token, seconds in all)."""
+        self.llm.set_method(method)
+        first = []
+        t0 = time.perf_counter()
+        seqs, _ = self.llm.generate([ids], SamplingParams(max_new_tokens=n, ignore_eos=True),
+                                    on_tokens=lambda seq, toks: first or first.append(time.perf_counter()))
+        return seqs[0].output_ids, first[0] - t0, time.perf_counter() - t0
+
+
+class LlamaCpp:
+    def __init__(self, path: Path, threads: int):
+        from llama_cpp import Llama
+        self.llm = Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=2048,
+                         n_batch=512, verbose=False)
+
+    def run(self, ids: list[int], n: int) -> tuple[list[int], float, float]:
+        self.llm.reset()
+        out, first = [], None
+        t0 = time.perf_counter()
+        for tok in self.llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            first = first or time.perf_counter()
+            out.append(tok)
+            if len(out) == n:
+                break
+        return out, first - t0, time.perf_counter() - t0
+
+
+class Transformers:
+    def __init__(self, path: Path, threads: int):
+        from transformers import AutoModelForCausalLM
+        torch.set_num_threads(threads)
+        self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                          dtype=torch.bfloat16).eval()
+
+    def run(self, ids: list[int], n: int) -> tuple[list[int], float, float]:
+        from transformers import StoppingCriteria
+        first = []
+
+        class FirstToken(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kw):
+                first or first.append(time.perf_counter())
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                      stopping_criteria=[FirstToken()], pad_token_id=0)
+        return out[0, len(ids):].tolist(), first[0] - t0, time.perf_counter() - t0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="a GGUF model (registry name or path)")
+    p.add_argument("--prompts", type=int, default=len(PROMPTS))
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--weights", default="auto,bf16", help="comma-separated engine weight formats")
+    p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--png", default="benchmarks/plots/e2e_cpu_peers.png")
+    p.add_argument("--json", default="benchmarks/plots/e2e_cpu_peers.json")
+    args = p.parse_args(argv)
+    if not 1 <= args.prompts <= len(PROMPTS):
+        p.error(f"--prompts must be in 1..{len(PROMPTS)}")
+    src = resolve_model(args.model)
+    if src.kind != "gguf":
+        p.error(f"--model must be a GGUF model (llama.cpp reads GGUF), got {src.path}")
+    torch.set_num_threads(args.threads)
+
+    engines = {w: Engine(args.model, w, args.threads) for w in args.weights.split(",")}
+    tok = next(iter(engines.values())).llm
+    contenders = {}
+    for w, eng in engines.items():
+        contenders[f"engine vanilla ({w})"] = lambda ids, n, eng=eng: eng.run(ids, n, "vanilla")
+        contenders[f"engine auto ({w})"] = lambda ids, n, eng=eng: eng.run(ids, n, "auto")
+    try:
+        cpp = LlamaCpp(src.path, args.threads)
+        contenders["llama.cpp"] = cpp.run
+    except ImportError:
+        print("llama-cpp-python is not installed (pip install llama-cpp-python): llama.cpp is left out", file=sys.stderr)
+    if not args.no_transformers:
+        hf = Transformers(src.path, args.threads)
+        contenders["transformers"] = hf.run
+
+    prompts = [tok.chat_ids(text) for text in PROMPTS[:args.prompts]]
+    for ids in prompts[:1]:  # warm-up: first-call allocations, the policy's first timings
+        for run in contenders.values():
+            run(ids, 16)
+    decode = {name: [] for name in contenders}
+    e2e = {name: [] for name in contenders}
+    outputs = {name: [] for name in contenders}
+    names = list(contenders)
+    for i, ids in enumerate(prompts):
+        order = names[i % len(names):] + names[:i % len(names)]
+        for name in order:
+            out, first_s, total_s = contenders[name](ids, args.max_tokens)
+            assert len(out) == args.max_tokens, (name, len(out))
+            decode[name].append((len(out) - 1) / (total_s - first_s))
+            e2e[name].append(len(out) / total_s)
+            outputs[name].append(out)
+        print(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{n} {decode[n][-1]:.1f}" for n in names), flush=True)
+
+    same = {w: sum(a == b for a, b in zip(outputs[f"engine vanilla ({w})"], outputs[f"engine auto ({w})"]))
+            for w in engines}
+    ref = "llama.cpp" if "llama.cpp" in contenders else None
+    med = {n: statistics.median(decode[n]) for n in names}
+    print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy, {args.threads} threads, batch 1")
+    print(f"| contender | decode tok/s | end-to-end tok/s |" + (" decode / llama.cpp |" if ref else ""))
+    print("|---|---|---|" + ("---|" if ref else ""))
+    for n in names:
+        row = f"| {n} | {med[n]:.1f} | {statistics.median(e2e[n]):.1f} |"
+        if ref:  # the median of per-prompt ratios: both ran on the same prompt back to back
+            row += f" {statistics.median(a / b for a, b in zip(decode[n], decode[ref])):.2f} |"
+        print(row)
+    for w, k in same.items():
+        print(f"engine auto ({w}) output == engine vanilla ({w}) output: {k}/{len(prompts)} prompts")
+    if "llama.cpp" in contenders and "engine vanilla (auto)" in contenders:
+        agree = sum(a == b for a, b in zip(outputs["llama.cpp"], outputs["engine vanilla (auto)"]))
+        print(f"llama.cpp output == engine vanilla (auto) output: {agree}/{len(prompts)} prompts "
+              f"(different kernels round differently; informational)")
+
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"args": vars(args), "decode_tok_s": decode, "e2e_tok_s": e2e,
+                                           "spec_equals_vanilla": same}, indent=1))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
+    ax.barh(names[::-1], [med[n] for n in names[::-1]], color=["#888" if "engine" not in n else "#37c" for n in names[::-1]])
+    for y, n in enumerate(names[::-1]):
+        ax.text(med[n], y, f" {med[n]:.0f}", va="center")
+    ax.set_xlabel(f"decode tokens/s (median of {len(prompts)} prompts, {args.max_tokens} tokens, {args.threads} threads)")
+    ax.set_title(f"{src.path.name}: greedy, one request at a time")
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=120)
+    print(f"wrote {args.png}, {args.json}")
+
+
+if __name__ == "__main__":
+    main()

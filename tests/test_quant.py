@@ -1,0 +1,171 @@
+"""Block-quantized weights (Q8_0, Q4_1): eagle::linear_q against its float64 reference on random shapes,
+row invariance (bit-exact whatever the batch, threads or instruction set), the layout conversions against
+gguf-py, argument errors, and the loader's --weights formats on the embedded model."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import eagle_kernels
+from eagle_kernels import quant
+
+QTYPES = ("q8_0", "q4_1")
+SHAPES = [(1, 64, 8), (2, 192, 9), (3, 576, 37), (4, 128, 33), (5, 576, 96), (9, 1536, 70), (17, 64, 130), (40, 256, 19)]
+
+
+def random_weight(N, K, gen):
+    # rows of different scales, some blocks constant (d = 0 for Q4_1) and some all-zero
+    w = torch.randn(N, K, generator=gen) * (0.1 + 3 * torch.rand(N, 1, generator=gen))
+    w[0, :32] = 0.0
+    if N > 1:
+        w[1, 32:64] = 0.25
+    return w
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_linear_q_matches_reference(qtype, M, K, N):
+    gen = torch.Generator().manual_seed(M * 1000 + K + N)
+    data = quant.quantize(random_weight(N, K, gen), qtype)
+    x = torch.randn(M, K, generator=gen) * (1 + 4 * torch.rand(M, 1, generator=gen))
+    x[0, 32:64] = 0.0  # an all-zero activation block (xd = 0)
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 8e-3)):
+        xx = x.to(dtype)
+        y = eagle_kernels.linear_q(xx, data, qtype)
+        assert y.dtype == dtype and y.shape == (M, N)
+        ref = quant.ref_linear_q(xx, data, qtype)
+        err = ((y.double() - ref).abs() / (ref.abs() + ref.abs().mean())).max().item()
+        assert err < tol, (dtype, err)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_linear_q_rows_do_not_depend_on_the_batch(qtype):
+    """Each output row is bit-identical alone, in any batch, in any position, with 1 or 2 threads."""
+    gen = torch.Generator().manual_seed(7)
+    data = quant.quantize(random_weight(203, 576, gen), qtype)
+    x = torch.randn(37, 576, generator=gen).bfloat16()
+    full = eagle_kernels.linear_q(x, data, qtype)
+    alone = torch.cat([eagle_kernels.linear_q(x[i:i + 1], data, qtype) for i in range(len(x))])
+    assert torch.equal(full, alone)
+    perm = torch.randperm(len(x), generator=gen)
+    assert torch.equal(eagle_kernels.linear_q(x[perm], data, qtype), full[perm])
+    for m in (2, 3, 4, 5, 8, 13):
+        assert torch.equal(eagle_kernels.linear_q(x[:m], data, qtype), full[:m])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(eagle_kernels.linear_q(x, data, qtype), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+_SCRIPT = """
+import sys, torch
+from eagle_kernels import linear_q, quant
+gen = torch.Generator().manual_seed(3)
+out = []
+for qtype in ("q8_0", "q4_1"):
+    for M, K, N in ((1, 576, 61), (3, 1536, 40), (9, 192, 130)):
+        data = quant.quantize(torch.randn(N, K, generator=gen), qtype)
+        x = torch.randn(M, K, generator=gen)
+        out += [linear_q(x, data, qtype), linear_q(x.bfloat16(), data, qtype)]
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_linear_q_same_bits_with_and_without_avx512(tmp_path):
+    """EAGLE_CPU_AVX512=0 takes the AVX2 kernels; both compute the same chain (on CPUs without AVX-512
+    VNNI both runs take AVX2)."""
+    results = []
+    for flag in ("1", "0"):
+        out = tmp_path / f"out{flag}.pt"
+        subprocess.run([sys.executable, "-c", _SCRIPT, str(out)], check=True, env={**os.environ, "EAGLE_CPU_AVX512": flag})
+        results.append(torch.load(out))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_quantize_round_trip(qtype):
+    gen = torch.Generator().manual_seed(11)
+    w = random_weight(64, 256, gen)
+    back = quant.dequantize(quant.quantize(w, qtype), qtype)
+    blocks, err = w.reshape(64, -1, 32), (back - w).reshape(64, -1, 32).abs().amax(-1)
+    step = blocks.abs().amax(-1) / 127 if qtype == "q8_0" else (blocks.amax(-1) - blocks.amin(-1)) / 15
+    assert (err <= step * 0.5 * 1.01 + 1e-3 * blocks.abs().amax(-1)).all()   # half a step, fp16 scales
+    assert torch.equal(back[0, :32], torch.zeros(32)) and torch.allclose(back[1, 32:64], torch.full((32,), 0.25), atol=1e-3)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_from_gguf_keeps_gguf_values(qtype):
+    """GGUF blocks (made by gguf-py's own quantizer) rearranged: the same values as gguf-py dequantizes."""
+    gguf = pytest.importorskip("gguf")
+    kind = getattr(gguf.GGMLQuantizationType, qtype.upper())
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((24, 192)) * rng.uniform(0.1, 3, (24, 1))).astype(np.float32)
+    blocks = gguf.quants.quantize(w, kind)                                   # uint8 [24, 6 * block bytes]
+    ours = quant.dequantize(quant.from_gguf(torch.from_numpy(np.array(blocks)), qtype), qtype)
+    assert torch.equal(ours, torch.from_numpy(np.array(gguf.quants.dequantize(blocks, kind), dtype=np.float32)))
+
+
+def test_embedding_q_rows():
+    gen = torch.Generator().manual_seed(2)
+    data = quant.quantize(torch.randn(50, 128, generator=gen), "q8_0")
+    ids = torch.tensor([[3, 49], [0, 3]])
+    rows = eagle_kernels.embedding_q(ids, data, "q8_0", torch.bfloat16)
+    assert rows.shape == (2, 2, 128) and rows.dtype == torch.bfloat16
+    assert torch.equal(rows[0, 0], quant.dequantize(data, "q8_0")[3].bfloat16())
+
+
+def test_linear_q_bad_arguments():
+    data = quant.quantize(torch.randn(8, 128), "q4_1")
+    x = torch.randn(2, 128)
+    with pytest.raises(ValueError, match="qtype"):
+        eagle_kernels.linear_q(x, data, "q5_0")
+    with pytest.raises(ValueError, match="uint8"):
+        eagle_kernels.linear_q(x, data[:, :-1].contiguous(), "q4_1")
+    with pytest.raises(ValueError, match="multiple of 64"):
+        eagle_kernels.linear_q(torch.randn(2, 96), data, "q4_1")
+    with pytest.raises(ValueError, match="bf16/fp32"):
+        eagle_kernels.linear_q(x.half(), data, "q4_1")
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quant.quantize(torch.randn(4, 32), "q8_0")
+    with pytest.raises(ValueError):  # the op's own checks, behind the launcher's
+        eagle_kernels._ops.ops().linear_q(x, data, 5)
+
+
+# ----------------------------------------------------------------------------- the loader's formats
+
+def _linears(model):
+    return {name: (type(m).__name__, getattr(m, "qtype", None)) for name, m in model.named_modules()
+            if name.endswith(("_proj", "lm_head", "embed_tokens"))}
+
+
+def test_loader_weight_formats():
+    from engine.loader import load_model
+    from engine.model import QLinear
+    auto, cfg, _ = load_model("smollm2-135m", torch.bfloat16, weights="auto")
+    kinds = _linears(auto)
+    assert kinds["layers.0.self_attn.qkv_proj"] == ("QLinear", "q4_1")
+    assert kinds["layers.29.mlp.down_proj"] == ("QLinear", "q4_1")
+    assert kinds["embed_tokens"] == ("QEmbedding", "q8_0") and kinds["lm_head"] == ("QLinear", "q8_0")
+    assert auto.lm_head.qweight is auto.embed_tokens.qweight               # tied, one copy
+    dense, _, _ = load_model("smollm2-135m", torch.float32, weights="bf16")
+    assert all(kind == "Linear" or kind == "Embedding" for kind, _ in _linears(dense).values())
+    # the kept blocks hold exactly the values the dequantizing loader produces
+    for name in ("layers.3.self_attn.qkv_proj", "layers.7.mlp.gate_up_proj", "lm_head"):
+        q, d = auto.get_submodule(name), dense.get_submodule(name)
+        assert torch.equal(quant.dequantize(q.qweight, q.qtype), d.weight), name
+    q8, _, _ = load_model("smollm2-135m", torch.bfloat16, weights="q8_0")
+    assert {qtype for _, qtype in _linears(q8).values()} == {"q8_0"}
+    assert isinstance(q8.layers[0].mlp.down_proj, QLinear)
+
+
+def test_loader_weights_errors():
+    from engine.loader import load_model
+    with pytest.raises(ValueError, match="weights must be one of"):
+        load_model("smollm2-135m", weights="q3")
+    with pytest.raises(ValueError, match="CPU only"):
+        load_model("smollm2-135m", weights="q4", device="cuda")
