@@ -51,7 +51,7 @@ def decode(llm, prompts: list[list[int]], max_new_tokens: int, method: str, meth
     -> (outputs, summary: tokens/s and, when speculative, tau and acceptance by depth over all rounds)."""
     from engine.scheduler import SamplingParams
     llm.set_method(method, method_args)
-    llm.generate([prompts[0]], SamplingParams(max_new_tokens=min(8, max_new_tokens)))
+    llm.generate([prompts[0]], SamplingParams(max_new_tokens=min(4, max_new_tokens)))
     outs, new, decode_s, total_s, rounds, reached = [], 0, 0.0, 0.0, 0, []
     for p in prompts:
         (seq,), stats = llm.generate([p], SamplingParams(max_new_tokens=max_new_tokens))

@@ -135,6 +135,19 @@ def build_llm(args, device: torch.device):
                max_batch=min(256, args.gen_batch * (args.samples_per_prompt + 1)), seed=args.seed)
 
 
+def heldout_ids(llm, n: int, max_prompt: int) -> list[list[int]]:
+    """The first `n` held-out ShareGPT prompts of at most `max_prompt` tokens, through the chat template."""
+    from .data import sharegpt_conversations
+    out = []
+    for _, msgs in sharegpt_conversations("heldout"):
+        ids = llm.chat_ids(msgs[0]["content"])
+        if len(ids) <= max_prompt:
+            out.append(ids)
+            if len(out) == n:
+                break
+    return out
+
+
 def run(args, llm=None) -> dict:
     """All stages (those not finished yet with --resume). llm: an already loaded target (tests).
     -> eval.json's content."""
@@ -188,8 +201,7 @@ def run(args, llm=None) -> dict:
         save_state(out, state)
 
     if "evaluate" not in state["done"]:
-        prompts = [p for p in (llm.chat_ids(t) for t in data.heldout_prompts(args.eval_prompts))
-                   if len(p) <= args.max_prompt]
+        prompts = heldout_ids(llm, args.eval_prompts, args.max_prompt)
         t0 = time.monotonic()
         result = evaluate.evaluate(llm, out / "train" / "head", args.head, prompts, args.eval_tokens,
                                    args.chain_depth, args.tree or defaults(device).tree,
