@@ -90,7 +90,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--log", action="append", default=[], help="NAME=train_log.jsonl")
     p.add_argument("--head", action="append", default=[], help="NAME=head directory")
-    p.add_argument("--heldout", action="append", default=[], help="NAME=replies directory (train.pipeline's <out>/replies)")
+    p.add_argument("--heldout", action="append", default=[],
+                   help="NAME=replies directory (train.pipeline's <out>/replies)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--steps", type=int, default=7, help="n = 0 .. steps-1")
     p.add_argument("--seq-len", type=int, default=1024)

@@ -57,7 +57,8 @@ def decode(llm, prompts: list[list[int]], max_new_tokens: int, method: str, meth
         (seq,), stats = llm.generate([p], SamplingParams(max_new_tokens=max_new_tokens))
         s = stats.as_dict()
         outs.append(seq.output_ids)
-        new, decode_s, total_s = new + s["new_tokens"], decode_s + s["decode_s"], total_s + s["decode_s"] + s["prefill_s"]
+        new, decode_s = new + s["new_tokens"], decode_s + s["decode_s"]
+        total_s += s["decode_s"] + s["prefill_s"]
         for d, a in enumerate(s.get("accept_by_depth", [])):
             reached += [0.0] * (d + 1 - len(reached))
             reached[d] += a * s["rounds"]
