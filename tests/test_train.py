@@ -292,6 +292,8 @@ def test_pipeline_killed_and_resumed_ends_with_an_evaluated_official_head(eagle3
     assert again == e and [json.loads(x)["step"] for x in open(out / "train" / "train_log.jsonl")] == steps
     with pytest.raises(ValueError, match="--resume"):
         pipeline.run(parser().parse_args(["--out", str(out), *PIPELINE]), llm=smollm)
+    with pytest.raises(ValueError, match="--head eagle differs from the run's"):
+        pipeline.run(parser().parse_args(["--out", str(out), *PIPELINE, "--head", "eagle", "--resume"]), llm=smollm)
 
 
 def test_pipeline_eagle1_and_the_comparison_plot(eagle3_run, smollm, tmp_path, capsys):

@@ -46,14 +46,16 @@ def chain_accept_length(alpha: list[float]) -> float:
     return total
 
 
-def decode(llm, prompts: list[list[int]], max_new_tokens: int, method: str, method_args: dict | None = None):
+def decode(llm, prompts: list[list[int]], max_new_tokens: int, method: str, method_args: dict | None = None,
+           desc: str | None = None):
     """Greedy, one prompt at a time, after a short warm-up (CUDA graph capture, lazy init) not counted.
     -> (outputs, summary: tokens/s and, when speculative, tau and acceptance by depth over all rounds)."""
+    from tqdm import tqdm
     from engine.scheduler import SamplingParams
     llm.set_method(method, method_args)
     llm.generate([prompts[0]], SamplingParams(max_new_tokens=min(4, max_new_tokens)))
     outs, new, decode_s, total_s, rounds, reached = [], 0, 0.0, 0.0, 0, []
-    for p in prompts:
+    for p in tqdm(prompts, desc=desc, disable=desc is None, dynamic_ncols=True):
         (seq,), stats = llm.generate([p], SamplingParams(max_new_tokens=max_new_tokens))
         s = stats.as_dict()
         outs.append(seq.output_ids)
@@ -73,16 +75,18 @@ def decode(llm, prompts: list[list[int]], max_new_tokens: int, method: str, meth
 
 
 def evaluate(llm, head_dir: str | Path, kind: str, prompts: list[list[int]], max_new_tokens: int,
-             chain_depth: int, tree: tuple[int, int, int], alpha_steps: int, seq_len: int = 2048) -> dict:
+             chain_depth: int, tree: tuple[int, int, int], alpha_steps: int, seq_len: int = 2048,
+             progress: bool = False) -> dict:
     """-> eval.json's content (see the module docstring). Leaves `llm` on vanilla decoding."""
     head_dir = str(head_dir)
     try:
-        ref, vanilla = decode(llm, prompts, max_new_tokens, "vanilla")
+        ref, vanilla = decode(llm, prompts, max_new_tokens, "vanilla", desc="eval vanilla" if progress else None)
         runs = {"vanilla": vanilla}
         shapes = {"chain": (chain_depth, 1, chain_depth + 1), "tree": tree}
         for name, (depth, topk, tokens) in shapes.items():
             outs, runs[name] = decode(llm, prompts, max_new_tokens, kind,
-                                      {"head": head_dir, "depth": depth, "topk": topk, "tree_tokens": tokens})
+                                      {"head": head_dir, "depth": depth, "topk": topk, "tree_tokens": tokens},
+                                      desc=f"eval {name}" if progress else None)
             runs[name].update(shape=[depth, topk, tokens], same_as_vanilla=outs == ref,
                               decode_speedup=round(runs[name]["decode_tok_s"] / vanilla["decode_tok_s"], 3),
                               speedup=round(runs[name]["tok_s"] / vanilla["tok_s"], 3))
@@ -115,6 +119,8 @@ def plot(evals: dict[str, dict], png: str | Path):
           ylabel="acceptance rate", ylim=(0, 1))
     b.set(title="engine decoding: rounds accepting >= d drafts", xlabel="depth d", ylabel="fraction of rounds",
           ylim=(0, 1))
+    a.xaxis.get_major_locator().set_params(integer=True)
+    b.xaxis.get_major_locator().set_params(integer=True)
     a.legend(fontsize=8)
     b.legend(fontsize=7)
     fig.tight_layout()

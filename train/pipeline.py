@@ -14,10 +14,11 @@
 4. evaluate: held-out ShareGPT prompts, greedy: n-alpha by step, chain and tree acceptance length and
    speed with the engine's speculative decoding -> <out>/eval.json and <out>/eval.png (train/evaluate.py).
 
-Budget: --minutes of stage work, replies up to 30% (no new chunk of prompts starts after it), training up
-to 85% less what replies used (steps = --steps, or what fits, measured on the first steps), evaluation the
-rest. `--resume` continues a killed run: whole reply parts, the training checkpoint and finished stages
-are kept (<out>/state.json).
+Budget: --minutes of stage work (loading the target aside): replies up to 30% (no new chunk of prompts
+starts after it), training up to 85% less what replies used (steps = --steps, or what fits, measured on the
+first steps), evaluation the rest; evaluation is not cut short, its size is --eval-prompts x --eval-tokens.
+`--resume` continues a killed run: whole reply parts, the training checkpoint and finished stages are kept
+(<out>/state.json); time spent in a killed replies stage is not counted again.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ import torch
 from engine.device import add_device_arg, defaults, resolve_device
 
 REPLIES_SHARE, TRAIN_END = 0.30, 0.85  # of the budget: replies' cap, and where training must stop
+KEPT_ON_RESUME = ("model", "head", "source", "draft_vocab", "seed")
+CUDA_KV_GB = 8.0  # default KV cache on a GPU: 250k+ tokens of a 135M target, 60k of an 8B
 
 
 class Parser(argparse.ArgumentParser):
@@ -86,7 +89,8 @@ def parser() -> Parser:
     g.add_argument("--temperature", type=positive_float, default=1.0, help="of the sampled replies")
     g.add_argument("--max-prompt", type=positive_int, default=1024, help="longer prompts are skipped")
     g.add_argument("--gen-batch", type=positive_int, default=64, help="prompts per generate call and per part")
-    g.add_argument("--kv-cache-gb", type=positive_float)
+    g.add_argument("--kv-cache-gb", type=positive_float, help=f"target KV cache (default: {CUDA_KV_GB} on a GPU, "
+                   "the engine's on a CPU)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=count, default=0, help="optimizer steps (0: what the budget allows)")
     g.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per packed row")
@@ -131,7 +135,9 @@ def save_state(out: Path, state: dict):
 
 def build_llm(args, device: torch.device):
     from engine.llm import LLM
-    return LLM(args.model, args.dtype, device=str(device), kv_cache_gb=args.kv_cache_gb,
+    # On a GPU the engine's default cache takes most of the memory; training needs its share.
+    gb = args.kv_cache_gb or (CUDA_KV_GB if device.type == "cuda" else None)
+    return LLM(args.model, args.dtype, device=str(device), kv_cache_gb=gb,
                max_batch=min(256, args.gen_batch * (args.samples_per_prompt + 1)), seed=args.seed)
 
 
@@ -163,6 +169,10 @@ def run(args, llm=None) -> dict:
     torch.manual_seed(args.seed)
     out.mkdir(parents=True, exist_ok=True)
     state = load_state(out)
+    for name in KEPT_ON_RESUME:
+        was = state.get("args", {}).get(name, getattr(args, name))
+        if was != getattr(args, name):
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} differs from the run's ({was})")
     state["args"] = {k: v for k, v in vars(args).items() if k not in ("resume", "quiet")}
     save_state(out, state)
     budget = args.minutes * 60
@@ -205,7 +215,7 @@ def run(args, llm=None) -> dict:
         t0 = time.monotonic()
         result = evaluate.evaluate(llm, out / "train" / "head", args.head, prompts, args.eval_tokens,
                                    args.chain_depth, args.tree or defaults(device).tree,
-                                   args.alpha_steps, args.seq_len)
+                                   args.alpha_steps, args.seq_len, progress=not args.quiet)
         result.update(device=str(device), model=args.model, replies={
             "prompts": state.get("prompts"), "sequences": state["sequences"], "reply_tokens": state["reply_tokens"],
             "seconds": round(state["replies_s"], 1)}, train={"steps": state.get("train_steps"),
