@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.heads import load_head, new_head
+from head_refs import dense_forward
 from test_data import tiny_features, tiny_target
 from train import data, evaluate, pipeline
 from train.pipeline import parser
@@ -28,7 +29,7 @@ def tiny_batch(model, lens=(12, 9), seed=1):
 
 
 def naive_chain(head, batch, steps):
-    """Per position t and step i, an inference-like chain draft with forward_dense: the real prefix of
+    """Per position t and step i, an inference-like chain draft with dense_forward: the real prefix of
     t's conversation at step 0, then one query per step over [prefix keys, earlier chain keys]."""
     ids, doc = batch["input_ids"][0], batch["doc"][0]
     hidden0 = head.target_feature(batch["feature"], [batch["hidden"]])[0]
@@ -41,13 +42,13 @@ def naive_chain(head, batch, steps):
         n = t - start + 1
         pref_ids = ids[start + 1:t + 2][None]
         causal = torch.ones(n, n, dtype=torch.bool).tril()
-        out, kv = head.forward_dense(pref_ids, hidden0[start:t + 1][None], torch.arange(n), causal)
+        out, kv = dense_forward(head, pref_ids, hidden0[start:t + 1][None], torch.arange(n), causal)
         outs[0, t], h = out[0, -1], out[:, -1:]
         for i in range(1, steps):
             nxt = t + 1 + i
             if nxt >= S or doc[nxt] != doc[t]:
                 break
-            h, kv = head.forward_dense(ids[nxt][None, None], h, torch.tensor([n - 1 + i]),
+            h, kv = dense_forward(head, ids[nxt][None, None], h, torch.tensor([n - 1 + i]),
                                        torch.ones(1, kv[0].shape[2] + 1, dtype=torch.bool), kv)
             outs[i, t] = h[0, 0]
     return outs

@@ -78,7 +78,7 @@ def ttt_attention(attn, x, cos, sin, mask0, past: list):
 
 
 def ttt_step(head: DraftHead, ids, hidden, pos, mask0, past: list):
-    """The head's layer (as DraftHead.forward_dense) with TTT attention. -> (out [B, S', H], (k, v))."""
+    """The head's layer (as DraftHead.forward) with TTT attention. -> (out [B, S', H], (k, v))."""
     x, residual = head._layer_input(ids, hidden)
     cos, sin = head.rotary(pos, x.dtype)
     a, kv = ttt_attention(head.layer.self_attn, x, cos, sin, mask0, past)
