@@ -323,3 +323,14 @@ def test_pipeline_bad_flags_are_one_line_and_exit_2(argv, message, tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: argument {message}"), err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--init", "no-such-head"], "--init no-such-head: no config.json there"),
+    (["--rebuild-vocab"], "--rebuild-vocab moves a trained EAGLE-3 head"),
+])
+def test_pipeline_inconsistent_flags_fail_before_loading_anything(argv, message, tmp_path, capsys):
+    assert pipeline.main(["--out", str(tmp_path / "run"), "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
+    assert not (tmp_path / "run").exists()

@@ -161,6 +161,7 @@ def run(args, llm=None) -> dict:
     from . import data, evaluate, trainer
     from .features import TargetFeatures
     device = resolve_device(args.device)
+    trainer.check_args(args)
     out = Path(args.out)
     if (out / "state.json").exists() and not args.resume:
         raise ValueError(f"{out} holds a run: pass --resume to continue it, or choose another --out")

@@ -27,6 +27,15 @@ from .ttt import eagle1_loss, eagle3_loss
 PACE_STEPS = 3  # steps of a run timed (after its first) to turn a time budget into a step count
 
 
+def check_args(args):
+    """The training flags' consistency, before anything is loaded (ValueError)."""
+    if args.rebuild_vocab and not (args.init and args.head == "eagle3"):
+        raise ValueError("--rebuild-vocab moves a trained EAGLE-3 head (--init) to a new draft vocabulary; "
+                         "a fresh head builds its vocabulary from the replies anyway")
+    if args.init and not (Path(args.init) / "config.json").exists():
+        raise ValueError(f"--init {args.init}: no config.json there (expected an exported head directory)")
+
+
 def head_loss(head: DraftHead, lm_weight: torch.Tensor, batch: dict, ttt_steps: int):
     """-> (loss, per-step accuracy, per-step counts)."""
     if head.kind == "eagle3":
@@ -124,9 +133,7 @@ def train(args, target, features: TargetFeatures, seqs: list[Seq], out: str | Pa
     `features` (the target's own forward), for args.steps steps or, with steps 0, until `budget_s` seconds
     of training are spent. target: the engine's Llama. -> the last logged record."""
     from tqdm import tqdm
-    if args.rebuild_vocab and not (args.init and args.head == "eagle3"):
-        raise ValueError("--rebuild-vocab moves a trained EAGLE-3 head (--init) to a new draft vocabulary; "
-                         "a fresh head builds its vocabulary from the replies anyway")
+    check_args(args)
     if not args.steps and budget_s is None:
         raise ValueError("give a number of steps or a time budget")
     out = Path(out)
