@@ -165,19 +165,23 @@ def run(args, llm=None) -> dict:
     out = Path(args.out)
     if (out / "state.json").exists() and not args.resume:
         raise ValueError(f"{out} holds a run: pass --resume to continue it, or choose another --out")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    out.mkdir(parents=True, exist_ok=True)
     state = load_state(out)
     for name in KEPT_ON_RESUME:
         was = state.get("args", {}).get(name, getattr(args, name))
         if was != getattr(args, name):
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} differs from the run's ({was})")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    llm = llm or build_llm(args, device)
+    room = llm.scheduler.blocks.num_blocks * llm.scheduler.blocks.block_size
+    if room < 2 * args.rows * args.seq_len:  # a batch's sequences, each rounded up to whole blocks
+        raise ValueError(f"the KV cache holds {room} tokens, a training batch needs up to 2 x {args.rows} x "
+                         f"{args.seq_len}: raise --kv-cache-gb or lower --rows / --seq-len")
+    out.mkdir(parents=True, exist_ok=True)
     state["args"] = {k: v for k, v in vars(args).items() if k not in ("resume", "quiet")}
     save_state(out, state)
     budget = args.minutes * 60
-    llm = llm or build_llm(args, device)
 
     if "replies" not in state["done"]:
         prompts = data.source_prompts(args.source, "train", args.num_prompts)
