@@ -120,8 +120,8 @@ def part_path(root: Path, k: int) -> Path:
 
 
 def generate_replies(llm, prompts: list[str], root: str | Path, samples: int, max_new_tokens: int,
-                     temperature: float = 1.0, top_p: float = 1.0, max_prompt: int = 1024, chunk: int = 64,
-                     seed: int = 0, deadline: float | None = None, bar=None) -> int:
+                     temperature: float = 1.0, max_prompt: int = 1024, chunk: int = 64, seed: int = 0,
+                     deadline: float | None = None, bar=None) -> int:
     """Greedy + `samples` sampled replies per prompt, `chunk` prompts per `LLM.generate` call and per part
     file. Existing parts are kept (resume); no new chunk starts after `deadline` (time.monotonic()).
     Prompts longer than `max_prompt` tokens are skipped. -> the number of prompts covered by parts."""
@@ -129,26 +129,25 @@ def generate_replies(llm, prompts: list[str], root: str | Path, samples: int, ma
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     limit = min(max_prompt, llm.cfg.max_position - max_new_tokens - 1)
-    for k in range(0, -(-len(prompts) // chunk)):
-        if part_path(root, k).exists():
-            bar and bar.update(len(prompts[k * chunk:(k + 1) * chunk]))
-            continue
-        if deadline is not None and time.monotonic() > deadline:
-            return k * chunk
-        ids, params, index = [], [], []
-        for i, text in enumerate(prompts[k * chunk:(k + 1) * chunk], start=k * chunk):
-            p = llm.chat_ids(text)
-            if len(p) > limit:
-                continue
-            for s in range(samples + 1):
-                ids.append(p)
-                index.append((i, s))
-                params.append(SamplingParams(max_new_tokens=max_new_tokens) if s == 0 else SamplingParams(
-                    temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                    seed=(seed * 1_000_003 + i) * 1009 + s))
-        seqs, _ = llm.generate(ids, params) if ids else ([], None)
-        write_part(part_path(root, k), [(s.prompt_ids + s.output_ids, len(s.prompt_ids)) for s in seqs], index)
-        bar and bar.update(len(prompts[k * chunk:(k + 1) * chunk]))
+    for k in range(-(-len(prompts) // chunk)):
+        texts = prompts[k * chunk:(k + 1) * chunk]
+        if not part_path(root, k).exists():
+            if deadline is not None and time.monotonic() > deadline:
+                return k * chunk
+            ids, params, index = [], [], []
+            for i, text in enumerate(texts, start=k * chunk):
+                p = llm.chat_ids(text)
+                if len(p) > limit:
+                    continue
+                for s in range(samples + 1):
+                    ids.append(p)
+                    index.append((i, s))
+                    params.append(SamplingParams(max_new_tokens=max_new_tokens) if s == 0 else SamplingParams(
+                        temperature=temperature, max_new_tokens=max_new_tokens, seed=(seed * 1_000_003 + i) * 1009 + s))
+            seqs = llm.generate(ids, params)[0] if ids else []
+            write_part(part_path(root, k), [(s.prompt_ids + s.output_ids, len(s.prompt_ids)) for s in seqs], index)
+        if bar is not None:
+            bar.update(len(texts))
     return len(prompts)
 
 
