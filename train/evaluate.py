@@ -78,6 +78,8 @@ def evaluate(llm, head_dir: str | Path, kind: str, prompts: list[list[int]], max
              chain_depth: int, tree: tuple[int, int, int], alpha_steps: int, seq_len: int = 2048,
              progress: bool = False) -> dict:
     """-> eval.json's content (see the module docstring). Leaves `llm` on vanilla decoding."""
+    if not prompts:
+        raise ValueError("no held-out prompt to evaluate on (all longer than --max-prompt?)")
     head_dir = str(head_dir)
     try:
         ref, vanilla = decode(llm, prompts, max_new_tokens, "vanilla", desc="eval vanilla" if progress else None)
