@@ -174,6 +174,7 @@ def train(args, target, features: TargetFeatures, seqs: list[Seq], out: str | Pa
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(head.parameters(), args.clip)
         opt.step()
+        loss, gnorm = loss.item(), gnorm.item()  # a sync: the step's device time is in `elapsed`
         state["step"] += 1
         state["batch"] += 1
         state["elapsed"] += time.monotonic() - t0
@@ -183,9 +184,9 @@ def train(args, target, features: TargetFeatures, seqs: list[Seq], out: str | Pa
             pace = (state["elapsed"] - paced) / PACE_STEPS
             state["total"] = state["step"] + max(0, int((budget_s - state["elapsed"]) / pace))
             bar.total = state["total"]
-        rec = {"step": state["step"], "epoch": state["epoch"], "loss": round(loss.item(), 5),
+        rec = {"step": state["step"], "epoch": state["epoch"], "loss": round(loss, 5),
                "acc": [round(a, 4) for a in acc.tolist()], "n": n.tolist(), "lr": g["lr"],
-               "gnorm": round(gnorm.item(), 4), "elapsed": round(state["elapsed"], 2)}
+               "gnorm": round(gnorm, 4), "elapsed": round(state["elapsed"], 2)}
         log.write(json.dumps(rec) + "\n")
         log.flush()
         bar.update(1)
