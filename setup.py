@@ -58,7 +58,7 @@ setup(
     name="eagle-engine",
     version="0.1.0",
     description="Lossless EAGLE speculative decoding: a lean Llama engine with tree kernels",
-    packages=find_packages(include=["engine", "engine.*", "eagle_kernels", "eagle_kernels.*"]),
+    packages=find_packages(include=["engine", "engine.*", "train", "train.*", "eagle_kernels", "eagle_kernels.*"]),
     package_data={"engine": ["heads/**/*"]},
     python_requires=">=3.10",
     install_requires=[

@@ -4,7 +4,7 @@ adaptive depth policy) at several concurrencies, offline (all requests of a batc
     python benchmarks/adaptive_batch.py [--batches 1 4 16 64] [--max-tokens 128] [--repeats 3] [--threads 2]
         [--requests 4] [--dtype bfloat16] [--device auto|cpu|cuda]
 
-Prompts: held-out ShareGPT first user turns (engine.data, never trained on) through the chat template, at
+Prompts: held-out ShareGPT first user turns (train.data, never trained on) through the chat template, at
 most --max-prompt-tokens long, repeated to fill the batch. At concurrency B every method serves the same
 max(B, --requests) requests, B at a time. Greedy; natural stops; tokens/s = new tokens / wall time of the
 generate calls, prefill included. One model load; methods alternate batch by batch (their order rotating
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from engine.data import heldout_prompts
+from train.data import heldout_prompts
 from engine.device import DeviceError, add_device_arg, resolve_device
 from engine.llm import DTYPES, LLM
 from engine.scheduler import SamplingParams

@@ -3,7 +3,7 @@
     python benchmarks/e2e_speculative.py [--prompts 4] [--max-tokens 128] [--dtype float32]
         [--head DIR] [--eagle-head DIR] [--batch 1] [--threads 1] [--trees 3,2,6 ...] [--device auto|cpu|cuda]
 
-Prompts: the first user turns of held-out ShareGPT conversations (engine.data's split) and HumanEval
+Prompts: the first user turns of held-out ShareGPT conversations (train.data's split) and HumanEval
 problems, each through the chat template. Greedy decoding with natural stops; the model is loaded once,
 and each prompt (or batch) runs through every method back to back so that load drift on a shared machine
 hits all methods alike. Per dataset and method: end-to-end tokens/s (prefill + decode), speedup over
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from engine.data import heldout_prompts, humaneval_prompts
+from train.data import heldout_prompts, humaneval_prompts
 from engine.device import DeviceError, add_device_arg, resolve_device
 from engine.llm import DTYPES, LLM, METHODS
 from engine.scheduler import SamplingParams

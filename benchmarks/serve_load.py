@@ -120,7 +120,7 @@ async def level(url: str, prompts: list[str], concurrency: int, n: int, max_toke
 
 
 def load_prompts(n: int) -> list[str]:
-    from engine.data import heldout_prompts
+    from train.data import heldout_prompts
     return [p for p in heldout_prompts(8 * n) if len(p) <= 1000][:n]
 
 

@@ -1,9 +1,10 @@
 """Draft-head training report: loss / per-step accuracy curves from training logs, and n-alpha (chain-draft
-acceptance with n self-predicted inputs) of EAGLE-1 vs EAGLE-3 heads on held-out feature caches.
+acceptance with n self-predicted inputs) of EAGLE-1 vs EAGLE-3 heads on held-out replies (token ids as
+train.pipeline stores them; target features computed online by the engine's forward).
 
     python benchmarks/train_report.py --log eagle3=runs/e3/train_log.jsonl --log eagle1=runs/e1/train_log.jsonl \
         --head eagle3=engine/heads/smollm2-135m-eagle3 --head eagle1=engine/heads/smollm2-135m-eagle1 \
-        --heldout sharegpt=runs/heldout_target
+        --heldout sharegpt=runs/e3/replies
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import matplotlib
 import torch
+
+from train.evaluate import chain_accept_length
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -59,25 +62,12 @@ def plot_curves(logs: dict[str, list[dict]], k: int):
 
 
 @torch.no_grad()
-def heldout_alpha(head, root: str, steps: int, seq_len: int) -> list[float]:
-    from engine.train import PackedData
-    from engine.train_ttt import n_alpha
-    data = PackedData(root, seq_len, 1, 0)
-    hits, counts = torch.zeros(steps), torch.zeros(steps)
-    for rows in data.batches(0):
-        h, c = n_alpha(head, data.load(rows), steps)
-        hits, counts = hits + h, counts + c
-    return (hits / counts.clamp(min=1)).tolist()
-
-
-def accept_length(alpha: list[float]) -> float:
-    """Expected tokens per target step of a greedy chain draft of len(alpha) tokens: 1 (the target's
-    own token) + sum_k prod_{j<=k} alpha_j (alpha_j conditioned on all earlier ones accepted)."""
-    total, p = 1.0, 1.0
-    for a in alpha:
-        p *= a
-        total += p
-    return total
+def heldout_alpha(head, llm, root: str, steps: int, seq_len: int) -> list[float]:
+    from train.data import read_replies
+    from train.evaluate import n_alpha_on
+    from train.features import TargetFeatures
+    features = TargetFeatures(llm.model, llm.runner, llm.scheduler.blocks, head.capture)
+    return n_alpha_on(head, features, read_replies(root), steps, seq_len)[0]
 
 
 def plot_alpha(results: dict[str, dict[str, list[float]]]):
@@ -100,7 +90,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--log", action="append", default=[], help="NAME=train_log.jsonl")
     p.add_argument("--head", action="append", default=[], help="NAME=head directory")
-    p.add_argument("--heldout", action="append", default=[], help="NAME=feature cache (python -m engine.data)")
+    p.add_argument("--heldout", action="append", default=[],
+                   help="NAME=replies directory (train.pipeline's <out>/replies)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--steps", type=int, default=7, help="n = 0 .. steps-1")
     p.add_argument("--seq-len", type=int, default=1024)
@@ -120,13 +111,15 @@ def main():
                             for name, log in logs.items()}
     if args.head and args.heldout:
         from engine.heads import load_head
-        from engine.loader import load_model
-        target = load_model(args.model, torch.float32, "cpu")[0]
-        heads = {name: load_head(path, target) for name, path in pairs(args.head).items()}
-        results = {data: {name: heldout_alpha(h, root, args.steps, args.seq_len) for name, h in heads.items()}
+        from engine.llm import LLM
+        from train.features import TargetView
+        llm = LLM(args.model, "float32", device="cpu")
+        view = TargetView(llm.model)
+        heads = {name: load_head(path, view).float() for name, path in pairs(args.head).items()}
+        results = {data: {name: heldout_alpha(h, llm, root, args.steps, args.seq_len) for name, h in heads.items()}
                    for data, root in pairs(args.heldout).items()}
         plot_alpha(results)
-        summary["n_alpha"] = {d: {n: {"alpha": [round(a, 4) for a in al], "chain_accept_len": round(accept_length(al), 3)}
+        summary["n_alpha"] = {d: {n: {"alpha": [round(a, 4) for a in al], "chain_accept_len": round(chain_accept_length(al), 3)}
                                   for n, al in r.items()} for d, r in results.items()}
     print(json.dumps(summary, indent=1))
 

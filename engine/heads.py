@@ -7,7 +7,6 @@ the token is embedded with the target's (frozen) embedding. Protocol shared by b
 
     hidden = head.target_feature(feature, captured)        # target features -> the head's input width H
     out = head(ids, hidden, positions, kv_cache, meta)      # inference: one layer over the head's paged cache
-    out, (k, v) = head.forward_dense(ids, hidden, positions, mask, past_kv)   # training: dense, no cache
     logits = head.logits(out)                               # fp32 over the draft vocabulary
     target_ids = head.to_target(draft_ids)                  # identity for EAGLE-1
 
@@ -43,10 +42,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-
-from eagle_kernels import apply_rope
 
 from .config import LlamaConfig
 from .model import MLP, Attention, AttnMeta, Linear, Llama, RMSNorm, Rotary
@@ -74,25 +70,6 @@ class HeadLayer(nn.Module):
 
     def mlp_block(self, h):
         return h + self.mlp(self.post_attention_layernorm(h))
-
-
-def dense_attention(attn: Attention, x, cos, sin, mask, past_kv=None):
-    """Attention without a cache. x: [B, S, in_dim]; cos, sin: [B, S, D]; mask: bool [B or 1, S, Sp + S]
-    (True = attend; every row needs one True), the first Sp key columns being `past_kv`.
-    -> (out [B, S, H], (k, v) [B, Hkv, Sp + S, D], rotated, past keys first)."""
-    B, S, _ = x.shape
-    nq, nkv, hd = attn.nq, attn.nkv, attn.hd
-    q, k, v = attn.qkv_proj(x).split([nq * hd, nkv * hd, nkv * hd], -1)
-    cos, sin = cos.reshape(B * S, hd), sin.reshape(B * S, hd)
-    q = apply_rope(q.reshape(B * S, nq, hd), cos, sin).view(B, S, nq, hd).transpose(1, 2)
-    k = apply_rope(k.reshape(B * S, nkv, hd), cos, sin).view(B, S, nkv, hd).transpose(1, 2)
-    v = v.view(B, S, nkv, hd).transpose(1, 2)
-    if past_kv is not None:
-        k, v = torch.cat([past_kv[0], k], dim=2), torch.cat([past_kv[1], v], dim=2)
-    if mask.shape[-1] != k.shape[2]:
-        raise ValueError(f"mask has {mask.shape[-1]} key columns, there are {k.shape[2]} keys")
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=nq != nkv)
-    return attn.o_proj(o.transpose(1, 2).reshape(B, S, nq * hd)), (k, v)
 
 
 class DraftHead(nn.Module):
@@ -128,25 +105,6 @@ class DraftHead(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         h = residual + self.layer.self_attn(x, cos, sin, kv_cache, meta)
         return self.layer.mlp_block(h)
-
-    def forward_dense(self, ids, hidden, positions, mask, past_kv=None):
-        """Training forward over whole sequences, no cache.
-
-        ids: int64 [B, S]; positions: int64 [B, S] or [S]; hidden: [B, S, H]; mask: bool [S, Sp + S] or
-        [B, S, Sp + S], True where query s may attend key j; the first Sp key columns are `past_kv` = (k, v)
-        [B, Hkv, Sp, D] returned by an earlier call. -> (out [B, S, H], (k, v) [B, Hkv, Sp + S, D]).
-
-        Training-time test (EAGLE-3) unrolls K steps: step 0 runs with a causal mask over the real prefix;
-        step i feeds step i-1's `out` (shifted by one token) with `past_kv` = step i-1's keys, its mask
-        letting query s see the step-0 keys at <= s and, for each earlier step, only its own key s.
-        """
-        if mask.dim() == 2:
-            mask = mask[None]
-        positions = positions.expand(ids.shape)
-        x, residual = self._layer_input(ids, hidden)
-        cos, sin = self.rotary(positions, x.dtype)
-        attn, kv = dense_attention(self.layer.self_attn, x, cos, sin, mask, past_kv)
-        return self.layer.mlp_block(residual + attn), kv
 
     def _layer_input(self, ids, hidden):
         """-> (attention input [.., in_dim], residual [.., H])."""

@@ -102,7 +102,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, blocks, seq_ids: list[int], tokens: list[list[int]], capture: tuple[int, ...] = ()):
         """Append tokens[i] to sequence seq_ids[i] in `blocks` (a BlockManager; room is reserved) and run the
-        target over them, causally. For callers outside the decoders: tests, benchmarks, data generation.
+        target over them, causally. For callers outside the decoders: tests, benchmarks, the trainer's online
+        target features (train/features.py).
         -> (feature [T, H], captured layer inputs, cu_seqlens list)."""
         starts = [blocks.length(s) for s in seq_ids]
         for s, start, t in zip(seq_ids, starts, tokens):

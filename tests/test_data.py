@@ -1,4 +1,5 @@
-"""Training data: streamed ShareGPT parse, held-out split, chat loss mask, draft vocabulary, features."""
+"""Training data: streamed ShareGPT parse, held-out split, target replies on disk, draft vocabulary, packing,
+online target features."""
 import hashlib
 import io
 import json
@@ -7,9 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
-from engine import data
+from train import data
 from engine.config import LlamaConfig
 from engine.model import Llama
+from train.features import TargetFeatures
 
 
 def conv(i, turns=2):
@@ -67,44 +69,6 @@ def test_clean_turns_alternates_from_user():
     assert data.clean_turns(turns) == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from engine.loader import load_tokenizer, resolve_model
-    return load_tokenizer(resolve_model("smollm2-135m"))
-
-
-def test_assistant_only_loss_mask(tokenizer):
-    msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"},
-            {"role": "user", "content": "Count to three."}, {"role": "assistant", "content": "One, two, three."}]
-    ids, mask = data.chat_tokens(tokenizer, msgs)
-    full = tokenizer.encode(tokenizer.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)
-    assert ids == full and len(mask) == len(ids)
-    # masked runs are exactly the assistant replies, each ending with the end-of-turn token
-    runs, cur = [], []
-    for t, m in zip(ids, mask):
-        if m:
-            cur.append(t)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    runs += [cur] if cur else []
-    eos = tokenizer.eos_token_id
-    assert [r[-1] for r in runs] == [eos, eos]
-    assert [tokenizer.decode(r[:-1]) for r in runs] == ["Hello! How can I help?", "One, two, three."]
-    short, smask = data.chat_tokens(tokenizer, msgs, max_len=10)
-    assert short == ids[:10] and smask == mask[:10]
-
-
-def test_regenerate_skips_prompts_that_cannot_fit(smollm):
-    convs = [[{"role": "user", "content": "Say hi."}], [{"role": "user", "content": "word " * 400}],
-             [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Red."},
-              {"role": "user", "content": "word " * 400}]]
-    out = data.regenerate(smollm, convs, max_new_tokens=3, turns=2, max_prompt=64)
-    roles = [[m["role"] for m in c] for c in out]
-    assert roles == [["user", "assistant"], ["user"], ["user", "assistant", "user"]]
-    assert out[2][1]["content"] != "Red."  # the first round was regenerated
-
-
 def test_draft_vocab_d2t_t2d():
     V, Vd = 100, 10
     counts = Counter({t: 1000 - 7 * t for t in range(0, 100, 3)})  # 34 seen tokens, frequency by id
@@ -127,50 +91,81 @@ def tiny_target(seed=0, layers=8):
     return Llama(cfg).eval()
 
 
-def test_dense_features_match_paged_engine():
+
+def tiny_features(model, capture=None, blocks=64):
+    """Online features of a tiny target through its own engine runner and block manager."""
     from engine.block_manager import BlockManager
     from engine.model_runner import ModelRunner
+    runner = ModelRunner(model, model.cfg, torch.float32, torch.device("cpu"), blocks, 16, model.cfg.max_position)
+    capture = model.cfg.eagle3_layers if capture is None else capture
+    return TargetFeatures(model, runner, BlockManager(blocks, 16), capture)
+
+
+def test_online_features_are_the_engine_forward_of_each_sequence():
     model = tiny_target()
-    runner = ModelRunner(model, model.cfg, torch.float32, torch.device("cpu"), 16, 16, model.cfg.max_position)
-    seqs = [torch.randint(0, 64, (n,)).tolist() for n in (20, 7)]
-    feat, cap, cu = runner.forward(BlockManager(16, 16), [0, 1], seqs, capture=model.cfg.eagle3_layers)
-    ids = torch.zeros(2, 20, dtype=torch.long)
-    ids[0], ids[1, :7] = torch.tensor(seqs[0]), torch.tensor(seqs[1])
-    hidden, feature = data.target_features(model, ids, model.cfg.eagle3_layers)
-    paged_hidden = torch.cat(cap, -1)
-    torch.testing.assert_close(feature[0], feat[:20], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(feature[1, :7], feat[20:], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(hidden[0], paged_hidden[:20], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(hidden[1, :7], paged_hidden[20:], atol=1e-5, rtol=1e-5)
+    feats = tiny_features(model)
+    g = torch.Generator().manual_seed(0)
+    seqs = [(torch.randint(3, 64, (n,), generator=g).tolist(), p) for n, p in ((20, 5), (7, 3), (12, 1))]
+    batch = feats([[seqs[0], seqs[1]], [seqs[2]]])
+    assert feats.blocks.num_free == 64  # the feature sequences' blocks went back
+    assert batch["input_ids"].shape == (2, 27) and batch["hidden"].shape == (2, 27, 96)
+    assert batch["doc"][1].tolist() == [0] * 12 + [1] * 15  # padding: its own conversation
+    assert batch["pos"][0].tolist() == list(range(20)) + list(range(7))
+    assert batch["loss_mask"][0].tolist() == [0] * 5 + [1] * 15 + [0] * 3 + [1] * 4
+    alone = tiny_features(model)
+    for r, start, (ids, n) in ((0, 0, seqs[0]), (0, 20, seqs[1]), (1, 0, seqs[2])):
+        want = alone([[(ids, n)]])
+        sl = slice(start, start + len(ids))
+        assert batch["input_ids"][r, sl].tolist() == ids
+        torch.testing.assert_close(batch["feature"][r, sl], want["feature"][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(batch["hidden"][r, sl], want["hidden"][0], atol=1e-5, rtol=1e-5)
+        top1 = model.logits(want["feature"][0]).argmax(-1)
+        got = batch["target_top1"][r, sl]
+        assert got[n - 1:].tolist() == top1[n - 1:].tolist() and not got[:n - 1].any()
+    # a 3-layer capture is EAGLE-3's; EAGLE-1 needs none and gets no hidden
+    assert "hidden" not in tiny_features(model, capture=())([[seqs[1]]])
 
 
-def test_write_shard_roundtrip(tmp_path):
-    model = tiny_target()
-    seqs = [(torch.randint(0, 64, (n,)).tolist(), [0] * (n // 2) + [1] * (n - n // 2)) for n in (9, 30, 4)]
-    path = tmp_path / "shard_00000.safetensors"
-    data.write_shard(path, model, model.cfg.eagle3_layers, seqs, batch_tokens=40)
-    s = data.load_shard(path)
-    assert s["cu_seqlens"].tolist() == [0, 9, 39, 43]
-    assert s["input_ids"].tolist() == [t for ids, _ in seqs for t in ids]
-    assert s["loss_mask"].tolist() == [m for _, mask in seqs for m in mask]
-    assert s["hidden"].shape == (43, 96) and s["hidden"].dtype == torch.bfloat16
-    ids = torch.tensor(seqs[1][0])[None]
-    hidden, feature = data.target_features(model, ids, model.cfg.eagle3_layers)
-    torch.testing.assert_close(s["feature"][9:39].float(), feature[0], atol=2e-2, rtol=1e-2)
-    with torch.inference_mode():
-        assert s["target_top1"][9:39].tolist() == model.logits(feature[0]).argmax(-1).tolist()
-    counts = data.token_counts(tmp_path, 64)
-    want = torch.bincount(s["input_ids"].long()[s["loss_mask"].bool()], minlength=64)
-    assert torch.equal(counts, want)
+def test_generate_replies_stores_greedy_and_seeded_samples_and_resumes(smollm, tmp_path):
+    from safetensors.torch import load_file
+    from engine.scheduler import SamplingParams
+    prompts = ["Say hi.", "Name a color.", "word " * 400, "Count to three."]
+    kw = dict(samples=2, max_new_tokens=6, max_prompt=64, chunk=2, seed=3)
+    assert data.generate_replies(smollm, prompts, tmp_path, **kw) == 4
+    p0, p1 = (load_file(str(tmp_path / f"part_0000{k}.safetensors")) for k in (0, 1))
+    assert p0["prompt_index"].tolist() == [0, 0, 0, 1, 1, 1] and p0["sample"].tolist() == [0, 1, 2] * 2
+    assert p1["prompt_index"].tolist() == [3, 3, 3]  # the 400-word prompt is longer than max_prompt
+    seqs = data.read_replies(tmp_path)
+    assert len(seqs) == 9
+    for (ids, n), text in zip(seqs[::3], [prompts[0], prompts[1], prompts[3]]):
+        prompt = smollm.chat_ids(text)
+        (greedy,), _ = smollm.generate([prompt], SamplingParams(max_new_tokens=6))
+        assert ids[:n] == prompt and ids[n:] == greedy.output_ids
+    replies = [tuple(ids[n:]) for ids, n in seqs]
+    assert any(replies[i + s] != replies[i] for i in (0, 3, 6) for s in (1, 2))  # sampled, not greedy
+    # resume: a whole part is kept as it is, a missing one is redone identically (seeded samples)
+    before, stamp = (tmp_path / "part_00001.safetensors").read_bytes(), (tmp_path / "part_00000.safetensors").stat()
+    (tmp_path / "part_00001.safetensors").unlink()
+    assert data.generate_replies(smollm, prompts, tmp_path, **kw) == 4
+    assert (tmp_path / "part_00001.safetensors").read_bytes() == before
+    assert (tmp_path / "part_00000.safetensors").stat().st_mtime_ns == stamp.st_mtime_ns
+    # no chunk starts after the deadline
+    assert data.generate_replies(smollm, prompts, tmp_path / "late", deadline=0.0, **kw) == 0
+    assert not list((tmp_path / "late").glob("part_*"))
+    counts = data.reply_counts(seqs, smollm.cfg.vocab_size)
+    assert counts.sum() == sum(len(ids) - n for ids, n in seqs) and counts[smollm.tokenizer.eos_token_id] <= 9
 
 
-def test_cli_builds_a_cache_on_the_chosen_device(tmp_path):
-    out = tmp_path / "cache"
-    rc = data.main(["--out", str(out), "--source", "humaneval", "--num", "2", "--max-new-tokens", "4",
-                    "--max-len", "512", "--shard-convs", "2", "--gen-batch", "2", "--kv-cache-gb", "0.05",
-                    "--threads", "1", "--device", "cpu"])
-    assert rc == 0
-    s = data.load_shard(out / "shard_00000.safetensors")
-    assert s["cu_seqlens"].numel() == 3 and s["loss_mask"].sum() > 0
-    assert s["hidden"].device.type == "cpu" and s["hidden"].shape[1] == 3 * 576
-    assert json.loads((out / "meta.json").read_text())["source"] == "humaneval"
+def test_packer_fits_rows_and_is_a_function_of_seed_and_epoch():
+    g = torch.Generator().manual_seed(0)
+    seqs = [(list(range(int(n))), 1) for n in torch.randint(2, 50, (20,), generator=g)]
+    p = data.Packer(seqs, 32, 2, seed=0)
+    b0 = p.batches(0)
+    rows = [r for b in b0 for r in b]
+    assert sorted(k for r in rows for k in r) == list(range(20))
+    assert all(len(b) <= 2 for b in b0)
+    assert all(sum(len(p.seqs[k][0]) for k in r) <= 32 for r in rows)  # longer sequences were truncated
+    assert data.Packer(seqs, 32, 2, seed=0).batches(0) == b0 and p.batches(1) != b0
+    assert p.rows_of(b0[0])[0][0] == p.seqs[b0[0][0][0]]
+    with pytest.raises(ValueError, match="no training sequences"):
+        data.Packer([], 32, 2, 0)

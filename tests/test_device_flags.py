@@ -1,4 +1,4 @@
-"""`--device` on the training/data commands and the benchmarks: a CUDA request without a GPU is one line on
+"""`--device` on the training pipeline and the benchmarks: a CUDA request without a GPU is one line on
 stderr and exit code 2, before any model or data is read."""
 import os
 import subprocess
@@ -10,8 +10,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = {
-    "train": ["-m", "engine.train", "--data", "no-such-dir", "--out", "{tmp}/run"],
-    "data": ["-m", "engine.data", "--out", "{tmp}/cache"],
+    "pipeline": ["-m", "train.pipeline", "--out", "{tmp}/run"],
     "e2e_vanilla": ["benchmarks/e2e_vanilla.py"],
     "e2e_speculative": ["benchmarks/e2e_speculative.py"],
     "verify_cost": ["benchmarks/verify_cost.py"],
@@ -28,16 +27,14 @@ def test_device_cuda_without_a_gpu_is_one_line_and_exit_code_2(name, tmp_path):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --device cuda"), r.stderr
-    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+    assert not (tmp_path / "run").exists()
 
 
-def test_train_and_data_parse_the_shared_flag():
-    from engine import data, train
-    assert train.parser().parse_args(["--data", "d", "--out", "o"]).device == "auto"
+def test_pipeline_parses_the_shared_flag():
+    from train import pipeline
+    assert pipeline.parser().parse_args(["--out", "o"]).device == "auto"
     with pytest.raises(SystemExit):
-        train.parser().parse_args(["--data", "d", "--out", "o", "--device", "tpu"])
-    with pytest.raises(SystemExit):
-        data.main(["--out", "o", "--device", "tpu"])
+        pipeline.parser().parse_args(["--out", "o", "--device", "tpu"])
 
 
 def test_gpu_check_engine_helpers_on_cpu(tmp_path):

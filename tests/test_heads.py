@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 
 from engine.config import LlamaConfig
 from engine.heads import load_head, new_head
+from head_refs import dense_forward
 from engine.model import Llama
 from engine.model_runner import ModelRunner
 
@@ -78,8 +79,8 @@ def test_save_load_round_trip_with_official_keys(tmp_path, kind, kw, keys):
     ids, hidden = inputs(head, 5)
     mask = torch.ones(5, 5, dtype=torch.bool).tril()
     pos = torch.arange(5)
-    assert torch.equal(head.forward_dense(ids[None], hidden[None], pos, mask)[0],
-                       loaded.forward_dense(ids[None], hidden[None], pos, mask)[0])
+    assert torch.equal(dense_forward(head, ids[None], hidden[None], pos, mask)[0],
+                       dense_forward(loaded, ids[None], hidden[None], pos, mask)[0])
 
 
 def test_eagle1_without_bias_and_target_embedding_in_checkpoint(tmp_path):
@@ -112,7 +113,7 @@ def test_forward_shapes():
     ids, hidden = inputs(e1, 7)
     mask = torch.ones(7, 7, dtype=torch.bool).tril()
     for head, vocab in ((e1, 48), (e3, 20)):
-        out, (k, v) = head.forward_dense(ids.expand(2, 7), hidden.expand(2, 7, 32), torch.arange(7), mask)
+        out, (k, v) = dense_forward(head, ids.expand(2, 7), hidden.expand(2, 7, 32), torch.arange(7), mask)
         assert out.shape == (2, 7, 32) and k.shape == v.shape == (2, 2, 7, 8)
         assert head.logits(out).shape == (2, 7, vocab) and head.logits(out).dtype == torch.float32
     captured = [torch.randn(7, 32) for _ in e3.capture]
@@ -189,7 +190,7 @@ def test_paged_forward_matches_dense_causal(kind):
     head = make_head(kind, tiny_target())
     ids, hidden = inputs(head, 11)
     paged = paged_forward(head, ids, hidden, [6, 1, 4])  # prefill, decode, chain
-    dense, _ = head.forward_dense(ids[None], hidden[None], torch.arange(11), torch.ones(11, 11).tril().bool())
+    dense, _ = dense_forward(head, ids[None], hidden[None], torch.arange(11), torch.ones(11, 11).tril().bool())
     torch.testing.assert_close(paged, dense[0], atol=1e-5, rtol=1e-5)
 
 
@@ -209,7 +210,7 @@ def test_paged_tree_forward_matches_dense_with_ancestor_mask(kind):
     mask = torch.ones(P + len(parents), P + len(parents)).tril().bool()
     mask[P:, P:] = anc
     pos = torch.cat([torch.arange(P), P + tree_depths(parents)])
-    dense, _ = head.forward_dense(ids[None], hidden[None], pos, mask)
+    dense, _ = dense_forward(head, ids[None], hidden[None], pos, mask)
     torch.testing.assert_close(paged, dense[0], atol=1e-5, rtol=1e-5)
 
 
@@ -220,17 +221,17 @@ def test_dense_past_kv_unrolls_training_time_test():
     ids, hidden = inputs(head, 2 * S)
     causal = torch.ones(S, S).tril().bool()
     pos = torch.arange(S)
-    out0, kv0 = head.forward_dense(ids[None, :S], hidden[None, :S], pos, causal)
+    out0, kv0 = dense_forward(head, ids[None, :S], hidden[None, :S], pos, causal)
     mask1 = torch.cat([causal, torch.eye(S, dtype=torch.bool)], dim=1)  # prefix <= s, own earlier step
-    out1, kv1 = head.forward_dense(ids[None, S:], out0, pos, mask1, past_kv=kv0)
+    out1, kv1 = dense_forward(head, ids[None, S:], out0, pos, mask1, past_kv=kv0)
     assert kv1[0].shape == (1, 2, 2 * S, 8)
     full_mask = torch.zeros(2 * S, 2 * S, dtype=torch.bool)
     full_mask[:S, :S] = causal
     full_mask[S:] = mask1
-    both, _ = head.forward_dense(ids[None], torch.cat([hidden[None, :S], out0], 1), torch.cat([pos, pos]), full_mask)
+    both, _ = dense_forward(head, ids[None], torch.cat([hidden[None, :S], out0], 1), torch.cat([pos, pos]), full_mask)
     torch.testing.assert_close(out1, both[:, S:], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="key columns"):
-        head.forward_dense(ids[None, S:], out0, pos, causal, past_kv=kv0)
+        dense_forward(head, ids[None, S:], out0, pos, causal, past_kv=kv0)
 
 
 # ------------------------------------------------------------------ heads as published: .bin, stray buffers, full vocab
@@ -258,7 +259,7 @@ def assert_same_head(a, b):
     ids, hidden = inputs(a, 5)
     mask = torch.ones(5, 5, dtype=torch.bool).tril()
     pos = torch.arange(5)
-    out_a, out_b = (h.forward_dense(ids[None], hidden[None], pos, mask)[0] for h in (a, b))
+    out_a, out_b = (dense_forward(h, ids[None], hidden[None], pos, mask)[0] for h in (a, b))
     assert torch.equal(out_a, out_b) and torch.equal(a.logits(out_a), b.logits(out_b))
 
 

@@ -1,37 +1,35 @@
-"""Trainer: TTT attention vs a naive chain-draft loop, loss decrease on a tiny target, exact resume."""
+"""Trainer: TTT attention vs a naive chain-draft loop, loss decrease on a tiny target, exact resume, time
+budgets; the pipeline end to end on the real target, killed and resumed; its CLI."""
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from engine import data
 from engine.heads import load_head, new_head
-from engine.train import PackedData, parser, remap_draft_vocab, train
-from engine.train_ttt import n_alpha, prefix_mask, shift, ttt_unroll
-from test_data import tiny_target
+from head_refs import dense_forward
+from test_data import tiny_features, tiny_target
+from train import data, evaluate, pipeline
+from train.pipeline import parser
+from train.trainer import PACE_STEPS, remap_draft_vocab, train
+from train.ttt import n_alpha, prefix_mask, shift, ttt_unroll, valid_at
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_batch(model, lens=(12, 9), seed=1):
-    """One packed row of conversations with their features, as PackedData.load returns."""
+    """One packed row of conversations (the first third of each is its prompt) with online features."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 64, (sum(lens),), generator=g)
-    doc = torch.cat([torch.full((n,), j) for j, n in enumerate(lens)])
-    pos = torch.cat([torch.arange(n) for n in lens])
-    mask = torch.cat([(torch.arange(n) >= n // 3).long() for n in lens])
-    hidden, feature = [], []
-    for j, n in enumerate(lens):
-        h, f = data.target_features(model, ids[doc == j][None], model.cfg.eagle3_layers)
-        hidden.append(h[0])
-        feature.append(f[0])
-    feature = torch.cat(feature)
-    with torch.inference_mode():
-        top1 = model.logits(feature).argmax(-1)
-    return {"input_ids": ids[None], "doc": doc[None], "pos": pos[None], "loss_mask": mask[None],
-            "hidden": torch.cat(hidden)[None].clone(), "feature": feature[None].clone(), "target_top1": top1[None]}
+    return tiny_features(model)([[(torch.randint(3, 64, (n,), generator=g).tolist(), n // 3) for n in lens]])
 
 
 def naive_chain(head, batch, steps):
-    """Per position t and step i, an inference-like chain draft with forward_dense: the real prefix of
+    """Per position t and step i, an inference-like chain draft with dense_forward: the real prefix of
     t's conversation at step 0, then one query per step over [prefix keys, earlier chain keys]."""
     ids, doc = batch["input_ids"][0], batch["doc"][0]
     hidden0 = head.target_feature(batch["feature"], [batch["hidden"]])[0]
@@ -44,13 +42,13 @@ def naive_chain(head, batch, steps):
         n = t - start + 1
         pref_ids = ids[start + 1:t + 2][None]
         causal = torch.ones(n, n, dtype=torch.bool).tril()
-        out, kv = head.forward_dense(pref_ids, hidden0[start:t + 1][None], torch.arange(n), causal)
+        out, kv = dense_forward(head, pref_ids, hidden0[start:t + 1][None], torch.arange(n), causal)
         outs[0, t], h = out[0, -1], out[:, -1:]
         for i in range(1, steps):
             nxt = t + 1 + i
             if nxt >= S or doc[nxt] != doc[t]:
                 break
-            h, kv = head.forward_dense(ids[nxt][None, None], h, torch.tensor([n - 1 + i]),
+            h, kv = dense_forward(head, ids[nxt][None, None], h, torch.tensor([n - 1 + i]),
                                        torch.ones(1, kv[0].shape[2] + 1, dtype=torch.bool), kv)
             outs[i, t] = h[0, 0]
     return outs
@@ -71,7 +69,6 @@ def test_ttt_matches_naive_chain_draft(kind):
             if not torch.isnan(want[i, t]).any():
                 torch.testing.assert_close(o, want[i, t], atol=1e-5, rtol=1e-5)
     # every position scored at step i has a chain draft of i + 1 steps
-    from engine.train_ttt import valid_at
     for i, out, idx, ok in got:
         scored = valid_at(batch, i)[0].nonzero().flatten()
         assert set(scored.tolist()) <= set(idx[0][ok[0]].tolist())
@@ -115,34 +112,32 @@ def peaked_target():
     return model
 
 
-def write_tiny_data(tmp_path, model, n_seqs=24, seed=0):
-    """Conversations of a deterministic token pattern, so a head can learn the target's next token."""
+def tiny_seqs(n_seqs=24, seed=0):
+    """Sequences of a deterministic token pattern (4 prompt tokens), so a head can learn the target's next token."""
     g = torch.Generator().manual_seed(seed)
     seqs = []
     for _ in range(n_seqs):
         n = int(torch.randint(10, 30, (1,), generator=g))
         start, step = int(torch.randint(3, 64, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
-        ids = [(start + step * k) % 61 + 3 for k in range(n)]
-        seqs.append((ids, [0] * 4 + [1] * (n - 4)))
-    root = tmp_path / "cache"
-    root.mkdir()
-    for k in range(0, n_seqs, 8):
-        data.write_shard(root / f"shard_{k // 8:05d}.safetensors", model, model.cfg.eagle3_layers,
-                         seqs[k:k + 8], batch_tokens=64)
-    return root
+        seqs.append(([(start + step * k) % 61 + 3 for k in range(n)], 4))
+    return seqs
 
 
-def args_for(root, out, *extra):
-    return parser().parse_args(["--data", str(root), "--out", str(out), "--draft-vocab", "48", "--seq-len", "64",
+def args_for(out, *extra):
+    return parser().parse_args(["--out", str(out), "--draft-vocab", "48", "--seq-len", "64", "--rows", "1",
                                 "--ttt-steps", "3", "--lr", "3e-3", "--warmup", "3", "--threads", "1", "--quiet",
                                 "--device", "cpu", *extra])
 
 
+def run_train(args, model, seqs, budget_s=None):
+    capture = model.cfg.eagle3_layers if args.head == "eagle3" else ()
+    return train(args, model, tiny_features(model, capture), seqs, args.out, budget_s)
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
 def test_tiny_training_lowers_loss(tmp_path, kind):
-    model = peaked_target()
-    root = write_tiny_data(tmp_path, model)
-    train(args_for(root, tmp_path / "run", "--head", kind, "--steps", "100", "--save-every", "100"), target=model)
+    model, seqs = peaked_target(), tiny_seqs()
+    run_train(args_for(tmp_path / "run", "--head", kind, "--steps", "100", "--save-every", "100"), model, seqs)
     log = [json.loads(line) for line in open(tmp_path / "run" / "train_log.jsonl")]
     first, last = sum(r["loss"] for r in log[:5]) / 5, sum(r["loss"] for r in log[-5:]) / 5
     assert last < 0.8 * first, (first, last)
@@ -153,19 +148,18 @@ def test_tiny_training_lowers_loss(tmp_path, kind):
     if kind == "eagle3":
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 48
         assert torch.equal(head.t2d.nonzero().flatten(), torch.arange(48) + head.d2t)
-    batch = PackedData(root, 64, 1, 0).load([[0, 1]])
-    hits, counts = n_alpha(head.float(), batch, 3)
+    capture = model.cfg.eagle3_layers if kind == "eagle3" else ()
+    hits, counts = n_alpha(head.float(), tiny_features(model, capture)([seqs[:2]]), 3)
     assert (hits <= counts).all() and counts[0] > 0
 
 
 def test_resume_is_bit_identical(tmp_path):
-    model = tiny_target()
-    root = write_tiny_data(tmp_path, model)
+    model, seqs = tiny_target(), tiny_seqs()
     common = ("--steps", "8", "--save-every", "100", "--rows", "2")
-    train(args_for(root, tmp_path / "full", *common), target=model)
-    train(args_for(root, tmp_path / "pieces", *common, "--stop-after", "3"), target=model)
-    train(args_for(root, tmp_path / "pieces", *common, "--stop-after", "2", "--resume"), target=model)
-    train(args_for(root, tmp_path / "pieces", *common, "--resume"), target=model)
+    run_train(args_for(tmp_path / "full", *common), model, seqs)
+    run_train(args_for(tmp_path / "pieces", *common, "--stop-after", "3"), model, seqs)
+    run_train(args_for(tmp_path / "pieces", *common, "--stop-after", "2", "--resume"), model, seqs)
+    run_train(args_for(tmp_path / "pieces", *common, "--resume"), model, seqs)
     a = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=True)
     b = torch.load(tmp_path / "pieces" / "ckpt.pt", weights_only=True)
     assert a["state"]["step"] == b["state"]["step"] == 8
@@ -180,20 +174,19 @@ def test_resume_is_bit_identical(tmp_path):
 
 
 def test_init_continues_from_an_exported_head(tmp_path):
-    model = peaked_target()
-    root = write_tiny_data(tmp_path, model)
-    train(args_for(root, tmp_path / "a", "--steps", "40", "--save-every", "100"), target=model)
+    model, seqs = peaked_target(), tiny_seqs()
+    run_train(args_for(tmp_path / "a", "--steps", "40", "--save-every", "100"), model, seqs)
     # A near-zero learning rate: the warm-started head must export exactly the head it started from.
-    train(args_for(root, tmp_path / "b", "--steps", "2", "--lr", "1e-12", "--init", str(tmp_path / "a" / "head")),
-          target=model)
+    run_train(args_for(tmp_path / "b", "--steps", "2", "--lr", "1e-12", "--init", str(tmp_path / "a" / "head")),
+              model, seqs)
     a, b = load_head(tmp_path / "a" / "head", model), load_head(tmp_path / "b" / "head", model)
     for (name, ta), tb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(ta, tb), name
     first = lambda run: json.loads(open(tmp_path / run / "train_log.jsonl").readline())["loss"]  # noqa: E731
     assert first("b") < first("a")  # it starts where run a ended, not from scratch
     with pytest.raises(ValueError, match="draft vocabulary"):
-        train(args_for(root, tmp_path / "c", "--steps", "1", "--draft-vocab", "32",
-                       "--init", str(tmp_path / "a" / "head")), target=model)
+        run_train(args_for(tmp_path / "c", "--steps", "1", "--draft-vocab", "32",
+                           "--init", str(tmp_path / "a" / "head")), model, seqs)
 
 
 def test_remap_draft_vocab_keeps_rows_and_fits_new_ones():
@@ -220,15 +213,124 @@ def test_remap_draft_vocab_keeps_rows_and_fits_new_ones():
 
 
 def test_rebuild_vocab_flag(tmp_path):
-    model = peaked_target()
-    root = write_tiny_data(tmp_path, model)
+    model, seqs = peaked_target(), tiny_seqs()
     with pytest.raises(ValueError, match="rebuild-vocab"):
-        train(args_for(root, tmp_path / "b", "--steps", "1", "--rebuild-vocab"), target=model)
-    train(args_for(root, tmp_path / "c", "--steps", "40", "--save-every", "100", "--lr", "1e-3"), target=model)
-    counts = data.token_counts(root, 64)
-    train(args_for(root, tmp_path / "d", "--steps", "1", "--save-every", "100", "--lr", "1e-12", "--rebuild-vocab",
-                   "--init", str(tmp_path / "c" / "head")), target=model)
+        run_train(args_for(tmp_path / "b", "--steps", "1", "--rebuild-vocab"), model, seqs)
+    run_train(args_for(tmp_path / "c", "--steps", "40", "--save-every", "100", "--lr", "1e-3"), model, seqs)
+    counts = data.reply_counts(seqs, 64)
+    run_train(args_for(tmp_path / "d", "--steps", "1", "--save-every", "100", "--lr", "1e-12", "--rebuild-vocab",
+                       "--init", str(tmp_path / "c" / "head")), model, seqs)
     c, d = load_head(tmp_path / "c" / "head", model), load_head(tmp_path / "d" / "head", model)
     assert torch.equal(d.t2d, data.build_draft_vocab(counts, 48, 64)[1])
     assert torch.equal(c.t2d, d.t2d)  # same data, same vocabulary: every row is kept as it was
     assert torch.equal(c.lm_head.weight, d.lm_head.weight)
+
+
+def test_time_budget_sets_the_step_count_and_ends_the_schedule(tmp_path):
+    model, seqs = tiny_target(), tiny_seqs()
+    args = args_for(tmp_path / "run", "--save-every", "1000", "--min-lr-ratio", "0.1")
+    run_train(args, model, seqs, budget_s=1.0)
+    st = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["state"]
+    log = [json.loads(line) for line in open(tmp_path / "run" / "train_log.jsonl")]
+    assert st["total"] > 1 + PACE_STEPS and st["step"] == len(log) and (tmp_path / "run" / "head").is_dir()
+    # it ends at the estimated step count (the cosine at its floor) or when the budget is spent
+    assert st["step"] == st["total"] or st["elapsed"] >= 1.0
+    assert log[-1]["elapsed"] < 1.0 + 3 * (log[-1]["elapsed"] - log[-2]["elapsed"]) + 0.5
+    if st["step"] == st["total"]:
+        assert log[-1]["lr"] == pytest.approx(args.lr * args.min_lr_ratio, rel=0.1)
+
+
+# --------------------------------------------------------------------------- the pipeline, real target
+
+PIPELINE = ["--device", "cpu", "--dtype", "float32", "--kv-cache-gb", "0.25", "--threads", "1", "--quiet",
+            "--num-prompts", "4", "--samples-per-prompt", "1", "--max-new-tokens", "8", "--gen-batch", "2",
+            "--max-prompt", "128",
+            "--seq-len", "256", "--rows", "1", "--draft-vocab", "512", "--ttt-steps", "3", "--save-every", "2",
+            "--eval-prompts", "1", "--eval-tokens", "8", "--chain-depth", "3", "--alpha-steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def eagle3_run(smollm, tmp_path_factory):
+    """An EAGLE-3 pipeline run SIGKILLed during training (a subprocess), then resumed here to the end on
+    the session's target (same model and dtype). -> (run dir, checkpoint step at the kill, replies bytes)."""
+    out = tmp_path_factory.mktemp("pipeline") / "e3"
+    proc = subprocess.Popen([sys.executable, "-m", "train.pipeline", "--out", str(out), *PIPELINE, "--steps", "400"],
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    t0 = time.monotonic()
+    while not (out / "train" / "ckpt.pt").exists() and proc.poll() is None and time.monotonic() - t0 < 120:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    killed_at = torch.load(out / "train" / "ckpt.pt", weights_only=True)["state"]["step"]
+    replies = {p.name: p.read_bytes() for p in (out / "replies").glob("part_*")}
+    pipeline.run(parser().parse_args(["--out", str(out), *PIPELINE, "--steps", str(killed_at + 3), "--resume"]),
+                 llm=smollm)
+    return out, killed_at, replies
+
+
+def test_pipeline_killed_and_resumed_ends_with_an_evaluated_official_head(eagle3_run, smollm):
+    out, killed_at, replies = eagle3_run
+    assert killed_at >= 2 and sorted(replies) == ["part_00000.safetensors", "part_00001.safetensors"]
+    assert {p.name: p.read_bytes() for p in (out / "replies").glob("part_*")} == replies  # not regenerated
+    steps = [json.loads(line)["step"] for line in open(out / "train" / "train_log.jsonl")]
+    assert steps[-3:] == [killed_at + 1, killed_at + 2, killed_at + 3]  # continued from the checkpoint
+    state = json.loads((out / "state.json").read_text())
+    assert state["done"] == ["replies", "train", "evaluate"] and state["sequences"] == 6  # 1 of 4 too long
+    cfg = json.loads((out / "train" / "head" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 512
+    e = json.loads((out / "eval.json").read_text())
+    assert e["kind"] == "eagle3" and len(e["n_alpha"]) == 3 and all(0 <= a <= 1 for a in e["n_alpha"])
+    assert e["n_alpha_counts"][0] > 0 and e["train"]["steps"] == killed_at + 3
+    for run, shape in (("chain", [3, 1, 4]), ("tree", [2, 2, 4])):  # the CPU's default tree
+        assert e[run]["shape"] == shape and e[run]["same_as_vanilla"] and e[run]["tau"] >= 1
+        assert e[run]["rounds"] > 0 and len(e[run]["accept_by_depth"]) <= shape[0]
+    assert e["vanilla"]["new_tokens"] == e["chain"]["new_tokens"] > 0
+    assert (out / "eval.png").stat().st_size > 10_000
+    # a finished run resumed does nothing more; without --resume the directory is refused
+    again = pipeline.run(parser().parse_args(["--out", str(out), *PIPELINE, "--resume"]), llm=smollm)
+    assert again == e and [json.loads(x)["step"] for x in open(out / "train" / "train_log.jsonl")] == steps
+    with pytest.raises(ValueError, match="--resume"):
+        pipeline.run(parser().parse_args(["--out", str(out), *PIPELINE]), llm=smollm)
+    with pytest.raises(ValueError, match="--head eagle differs from the run's"):
+        pipeline.run(parser().parse_args(["--out", str(out), *PIPELINE, "--head", "eagle", "--resume"]), llm=smollm)
+
+
+def test_pipeline_eagle1_and_the_comparison_plot(eagle3_run, smollm, tmp_path, capsys):
+    out = tmp_path / "e1"
+    e = pipeline.run(parser().parse_args(["--out", str(out), *PIPELINE, "--head", "eagle", "--steps", "2"]),
+                     llm=smollm)
+    assert e["kind"] == "eagle" and e["chain"]["same_as_vanilla"] and e["tree"]["same_as_vanilla"]
+    assert load_head(out / "train" / "head", smollm.model).kind == "eagle"
+    assert evaluate.main(["--compare", str(out), str(eagle3_run[0]), "--png", str(tmp_path / "cmp.png")]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["run"].split()[0] for r in rows] == ["EAGLE-1", "EAGLE-3"] and len(rows[1]["n_alpha"]) == 3
+    assert (tmp_path / "cmp.png").stat().st_size > 10_000
+    assert evaluate.main(["--compare", str(tmp_path / "none"), "--png", str(tmp_path / "x.png")]) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "-1"], "--steps: must be >= 0"),
+    (["--minutes", "0"], "--minutes: must be > 0"),
+    (["--tree", "2,2"], "--tree: expected DEPTH,TOPK,TOKENS"),
+    (["--gen-batch", "x"], "--gen-batch: expected a int"),
+    (["--head", "medusa"], "--head: invalid choice"),
+])
+def test_pipeline_bad_flags_are_one_line_and_exit_2(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        pipeline.main(["--out", str(tmp_path / "run"), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: argument {message}"), err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--init", "no-such-head"], "--init no-such-head: no config.json there"),
+    (["--rebuild-vocab"], "--rebuild-vocab moves a trained EAGLE-3 head"),
+])
+def test_pipeline_inconsistent_flags_fail_before_loading_anything(argv, message, tmp_path, capsys):
+    assert pipeline.main(["--out", str(tmp_path / "run"), "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
+    assert not (tmp_path / "run").exists()

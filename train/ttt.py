@@ -1,4 +1,4 @@
-"""Training-time test (TTT) for draft heads over packed rows of cached target features.
+"""Training-time test (TTT) for draft heads over packed rows of target features (train/features.py).
 
 Notation for one packed row of tokens x_0..x_{S-1} with target features f_t (several conversations, `doc`
 ids mark which; `pos` restarts at 0 per conversation). Draft pair t = (hidden_t, x_{t+1}) sits at
@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .heads import DraftHead, Eagle3Head
+from engine.heads import DraftHead, Eagle3Head
 
 
 def shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
@@ -78,7 +78,7 @@ def ttt_attention(attn, x, cos, sin, mask0, past: list):
 
 
 def ttt_step(head: DraftHead, ids, hidden, pos, mask0, past: list):
-    """The head's layer (as DraftHead.forward_dense) with TTT attention. -> (out [B, S', H], (k, v))."""
+    """The head's layer (as DraftHead.forward) with TTT attention. -> (out [B, S', H], (k, v))."""
     x, residual = head._layer_input(ids, hidden)
     cos, sin = head.rotary(pos, x.dtype)
     a, kv = ttt_attention(head.layer.self_attn, x, cos, sin, mask0, past)
@@ -113,9 +113,9 @@ def ttt_unroll(head: DraftHead, batch: dict, hidden: torch.Tensor, steps: int):
 
 
 def head_input(head: DraftHead, batch: dict) -> torch.Tensor:
-    """Step-0 hidden [B, S, H] from the cached features (EAGLE-3: fc over low|mid|high; EAGLE-1: f_t)."""
+    """Step-0 hidden [B, S, H] from the target features (EAGLE-3: fc over low|mid|high; EAGLE-1: f_t)."""
     dtype = head.fc.weight.dtype
-    return head.target_feature(batch["feature"].to(dtype), [batch["hidden"].to(dtype)])
+    return head.target_feature(batch["feature"].to(dtype), [batch["hidden"].to(dtype)] if "hidden" in batch else [])
 
 
 def draft_lm_rows(head: Eagle3Head, lm_weight: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,203 @@
+"""Draft-head trainer over target replies with online target features: an EAGLE-3 head (training-time test
+with soft targets, train/ttt.py) or an EAGLE-1 head. AdamW, warmup + cosine decay, grad clipping, optional
+bf16 autocast.
+
+The number of steps is --steps, or what the stage's time budget allows: measured over the first steps of a
+run, then fixed (and saved), so the schedule ends when the budget does. Resumable at any moment:
+`<out>/ckpt.pt` (head, optimizer, step, data position, RNG) is written atomically every --save-every steps
+together with the exported head `<out>/head/` (official config.json + model.safetensors); a resumed run
+continues bit-exactly.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from engine.heads import DraftHead, load_head, new_head
+from .data import Packer, Seq, build_draft_vocab, reply_counts
+from .features import TargetFeatures, TargetView
+from .ttt import eagle1_loss, eagle3_loss
+
+PACE_STEPS = 3  # steps of a run timed (after its first) to turn a time budget into a step count
+
+
+def check_args(args):
+    """The training flags' consistency, before anything is loaded (ValueError)."""
+    if args.rebuild_vocab and not (args.init and args.head == "eagle3"):
+        raise ValueError("--rebuild-vocab moves a trained EAGLE-3 head (--init) to a new draft vocabulary; "
+                         "a fresh head builds its vocabulary from the replies anyway")
+    if args.init and not (Path(args.init) / "config.json").exists():
+        raise ValueError(f"--init {args.init}: no config.json there (expected an exported head directory)")
+
+
+def head_loss(head: DraftHead, lm_weight: torch.Tensor, batch: dict, ttt_steps: int):
+    """-> (loss, per-step accuracy, per-step counts)."""
+    if head.kind == "eagle3":
+        return eagle3_loss(head, lm_weight, batch, ttt_steps)
+    return eagle1_loss(head, lm_weight, batch)
+
+
+def make_head(args, view: TargetView, counts: torch.Tensor) -> DraftHead:
+    """A fresh head (EAGLE-3: draft vocabulary = the most frequent reply tokens) or --init's weights."""
+    torch.manual_seed(args.seed)
+    V = view.cfg.vocab_size
+    if args.init:  # warm start: weights and draft vocabulary of an exported head
+        head = load_head(args.init, view, kind=args.head).float().train()
+        if args.head == "eagle3" and head.lm_head.out_features != min(args.draft_vocab, V):
+            raise ValueError(f"--init head has a {head.lm_head.out_features}-token draft vocabulary, "
+                             f"--draft-vocab says {args.draft_vocab}")
+        if args.rebuild_vocab:
+            remap_draft_vocab(head, view, *build_draft_vocab(counts, head.lm_head.out_features, V))
+        return head
+    if args.head == "eagle":
+        return new_head("eagle", view).float().train()
+    head = new_head("eagle3", view, draft_vocab_size=min(args.draft_vocab, V)).float().train()
+    d2t, t2d = build_draft_vocab(counts, head.lm_head.out_features, V)
+    head.d2t.copy_(d2t)
+    head.t2d.copy_(t2d)
+    return head
+
+
+@torch.no_grad()
+def remap_draft_vocab(head: DraftHead, target, d2t: torch.Tensor, t2d: torch.Tensor) -> float:
+    """Moves a trained EAGLE-3 head to a new draft vocabulary of the same size (one built from more data).
+    Tokens in both keep their trained LM-head rows. A new token's row is the target's LM-head row for it
+    mapped into the draft's output space by A [H, H], the least-squares fit of the kept draft rows from
+    the target's rows of the same tokens (W_draft ~ W_target @ A). -> the fit's R^2 over the old rows."""
+    Vd = head.lm_head.out_features
+    old_ids, new_ids = torch.arange(Vd) + head.d2t, torch.arange(Vd) + d2t
+    w_draft, w_target = head.lm_head.weight, target.lm_head.weight.float()  # [Vd, H], [V, H]
+    A = torch.linalg.lstsq(w_target[old_ids], w_draft).solution           # [H, H]
+    fitted = w_target[old_ids] @ A
+    r2 = 1 - (fitted - w_draft).square().sum() / (w_draft - w_draft.mean(0)).square().sum()
+    row_of_old = torch.full((t2d.numel(),), -1, dtype=torch.long)
+    row_of_old[old_ids] = torch.arange(Vd)
+    rows = row_of_old[new_ids]                                              # [Vd]: old row or -1
+    w_new = torch.where((rows >= 0)[:, None], w_draft[rows.clamp(min=0)], w_target[new_ids] @ A)
+    head.lm_head.weight.copy_(w_new)
+    head.d2t.copy_(d2t)
+    head.t2d.copy_(t2d)
+    return r2.item()
+
+
+def lr_at(step: int, total: int, args) -> float:
+    """Linear warmup to --lr (at most a tenth of the run), then cosine decay to --lr * --min-lr-ratio at
+    `total` (0: not known yet, warmup only)."""
+    warmup = max(1, min(args.warmup, total // 10)) if total else args.warmup
+    if step < warmup or not total:
+        return args.lr * min(1.0, (step + 1) / warmup)
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+# ----------------------------------------------------------------------------------------- checkpoints
+
+def save_checkpoint(out: Path, head: DraftHead, opt, state: dict, target):
+    """ckpt.pt (all training state, what --resume reads) replaced atomically; then head/ (the official
+    export, --export-dtype) rebuilt from a complete head.tmp/, so a kill at any moment leaves a
+    consistent ckpt.pt and at worst a head/ one save behind."""
+    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": state,
+                "rng": torch.get_rng_state()}, out / "ckpt.pt.tmp")
+    os.replace(out / "ckpt.pt.tmp", out / "ckpt.pt")
+    shutil.rmtree(out / "head.tmp", ignore_errors=True)
+    export_head(head, target, out / "head.tmp", state["export_dtype"])
+    shutil.rmtree(out / "head", ignore_errors=True)
+    os.replace(out / "head.tmp", out / "head")
+
+
+def export_head(head: DraftHead, target, path: Path, dtype: str):
+    """A copy of the head in `dtype`, saved in the official format; EAGLE-3 configs get the official
+    architecture name and an untied draft LM head, which public engines read."""
+    copy = new_head(head.kind, target, **({"draft_vocab_size": head.lm_head.out_features}
+                                          if head.kind == "eagle3" else {}))
+    copy.load_state_dict(head.state_dict())
+    copy.to({"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]).save(path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["torch_dtype"] = dtype
+    if head.kind == "eagle3":
+        cfg.update(architectures=["LlamaForCausalLMEagle3"], tie_word_embeddings=False)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------ loop
+
+def train(args, target, features: TargetFeatures, seqs: list[Seq], out: str | Path,
+          budget_s: float | None = None) -> dict:
+    """Trains (or with args.resume continues) a head on `seqs` (prompt + reply ids) with features from
+    `features` (the target's own forward), for args.steps steps or, with steps 0, until `budget_s` seconds
+    of training are spent. target: the engine's Llama. -> the last logged record."""
+    from tqdm import tqdm
+    check_args(args)
+    if not args.steps and budget_s is None:
+        raise ValueError("give a number of steps or a time budget")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    view = TargetView(target)
+    device = view.embed_tokens.weight.device
+    head = make_head(args, view, reply_counts(seqs, view.cfg.vocab_size)).to(device)
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    state = {"step": 0, "epoch": 0, "batch": 0, "total": args.steps, "elapsed": 0.0,
+             "export_dtype": args.export_dtype}
+    if args.resume and (out / "ckpt.pt").exists():
+        ck = torch.load(out / "ckpt.pt", weights_only=True, map_location="cpu")  # a GPU run resumes on a CPU
+        head.load_state_dict(ck["head"])
+        opt.load_state_dict(ck["opt"])
+        state.update(ck["state"], **({"total": args.steps} if args.steps else {}))
+        torch.set_rng_state(ck["rng"])
+    data = Packer(seqs, args.seq_len, args.rows, args.seed)
+    log = open(out / "train_log.jsonl", "a")
+    bar = tqdm(total=state["total"] or None, initial=state["step"], disable=args.quiet, dynamic_ncols=True,
+               desc=f"train {head.kind}")
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.train_dtype == "bfloat16")
+    rec, start, paced = {}, state["step"], None
+    while not (state["total"] and state["step"] >= state["total"]):
+        if budget_s is not None and state["elapsed"] >= budget_s:
+            save_checkpoint(out, head, opt, state, view)
+            break
+        batches = data.batches(state["epoch"])
+        if state["batch"] >= len(batches):
+            state["epoch"], state["batch"] = state["epoch"] + 1, 0
+            continue
+        t0 = time.monotonic()
+        batch = features(data.rows_of(batches[state["batch"]]))
+        for g in opt.param_groups:
+            g["lr"] = lr_at(state["step"], state["total"], args)
+        with amp:
+            loss, acc, n = head_loss(head, view.lm_head.weight, batch, args.ttt_steps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(head.parameters(), args.clip)
+        opt.step()
+        loss, gnorm = loss.item(), gnorm.item()  # a sync: the step's device time is in `elapsed`
+        state["step"] += 1
+        state["batch"] += 1
+        state["elapsed"] += time.monotonic() - t0
+        if state["step"] - start == 1:
+            paced = state["elapsed"]
+        elif not state["total"] and state["step"] - start == 1 + PACE_STEPS:
+            pace = (state["elapsed"] - paced) / PACE_STEPS
+            state["total"] = state["step"] + max(0, int((budget_s - state["elapsed"]) / pace))
+            bar.total = state["total"]
+        rec = {"step": state["step"], "epoch": state["epoch"], "loss": round(loss, 5),
+               "acc": [round(a, 4) for a in acc.tolist()], "n": n.tolist(), "lr": g["lr"],
+               "gnorm": round(gnorm, 4), "elapsed": round(state["elapsed"], 2)}
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        bar.update(1)
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=" ".join(f"{a:.2f}" for a in rec["acc"]))
+        stop = args.stop_after and state["step"] - start >= args.stop_after
+        if state["step"] % args.save_every == 0 or state["step"] == state["total"] or stop:
+            save_checkpoint(out, head, opt, state, view)
+        if stop:
+            break
+    bar.close()
+    log.close()
+    if not (out / "head").exists():  # resumed after the last save: nothing left to train
+        save_checkpoint(out, head, opt, state, view)
+    return rec
