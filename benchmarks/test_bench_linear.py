@@ -65,3 +65,26 @@ def test_linear_large(bandwidth, benchmark, flops_report, impl, M, K, N):
     benchmark.extra_info["gflops"] = round(gflops, 1)
     flops_report.append(f"{benchmark.name:<58} median {benchmark.stats.stats.median * 1e3:>9.2f} ms "
                         f"{gflops:>8.1f} GFLOP/s")
+
+
+QUANT_SHAPES = [(1, 576, 3072), (4, 576, 3072), (16, 576, 3072), (1, 1536, 576), (1, 576, 49152), (256, 576, 3072)]
+
+
+@pytest.mark.parametrize("impl", ["q4_1", "q8_0", "bf16"])
+@pytest.mark.parametrize("M, K, N", QUANT_SHAPES)
+def test_linear_quantized(bandwidth, benchmark, flops_report, impl, M, K, N):
+    """eagle::linear_q on GGUF-type blocks (bytes: the blocks, 20 / 34 per 32 weights) against the bf16 kernel
+    on the same shape (bytes: 2 per weight): decode and verification sizes are bound by the weight bytes."""
+    x, w = torch.randn(M, K).bfloat16(), torch.randn(N, K)
+    if impl == "bf16":
+        wb = w.bfloat16()
+        fn, nbytes = (lambda: eagle_kernels.linear(x, wb)), wb.numel() * 2
+    else:
+        blocks = eagle_kernels.quant.quantize(w, impl)
+        fn, nbytes = (lambda: eagle_kernels.linear_q(x, blocks, impl)), blocks.numel()
+    with torch.inference_mode():
+        bandwidth(fn, nbytes + x.numel() * 2 + M * N * 2, x.device)
+    gflops = 2 * M * N * K / benchmark.stats.stats.median / 1e9
+    benchmark.extra_info["gflops"] = round(gflops, 1)
+    flops_report.append(f"{benchmark.name:<58} median {benchmark.stats.stats.median * 1e3:>9.2f} ms "
+                        f"{gflops:>8.1f} GFLOP/s")

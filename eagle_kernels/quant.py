@@ -1,11 +1,11 @@
 """Block-quantized weights on the CPU: the GGUF types Q8_0 and Q4_1 (blocks of 32 weights along K).
 
-A quantized weight is a uint8 tensor [N, K / 32 * block bytes] (34 for Q8_0, 20 for Q4_1, as in a GGUF
-file) whose rows hold the same scales and quants as the GGUF blocks, rearranged for SIMD loads: the row's
-fp16 d's, (Q4_1) its fp16 m's, then its quants by pairs of blocks in interleaved order (csrc/cpu_quant.cpp
-has the layout). `from_gguf` rearranges a GGUF tensor's blocks (exactly), `quantize` / `dequantize` convert
-from and to floats. `linear_q` runs `eagle::linear_q`: activations quantized per row and block to int8,
-exact integer block sums, a fixed fp32 chain per output element (row-invariant, like the bf16 linear).
+A quantized [N, K] weight is a uint8 tensor [N / 16, K / 32 * 16 * block bytes] (34 for Q8_0, 20 for Q4_1,
+as in a GGUF file): the same fp16 scales and quants as the GGUF blocks, rearranged in groups of 16 rows so
+that one SIMD lane computes one output row (csrc/cpu_quant.cpp has the layout). `from_gguf` rearranges a
+GGUF tensor's blocks (exactly); `quantize` / `dequantize` convert from and to floats; `rows` dequantizes
+chosen rows. `linear_q` runs `eagle::linear_q`: activations quantized per row and block to int8, exact
+integer block sums, a fixed fp32 chain per output element (row-invariant, like the bf16 linear).
 `ref_linear_q` is the kernel's arithmetic in float64, the tests' reference.
 """
 import torch
@@ -14,34 +14,39 @@ import torch.nn.functional as F
 from . import _ops
 from ._ops import has_kernel, ops
 
-BLOCK = 32
+BLOCK, GROUP = 32, 16
 # type name -> (GGML type id, bytes per block of 32 weights)
 QTYPES = {"q4_1": (3, 20), "q8_0": (8, 34)}
 
 _CPU_OP = has_kernel("linear_q", torch.device("cpu"))
 
 
-def row_bytes(qtype: str, K: int) -> int:
-    return K // BLOCK * QTYPES[qtype][1]
+def group_bytes(qtype: str, K: int) -> int:
+    """Bytes of one group of 16 rows."""
+    return K // BLOCK * GROUP * QTYPES[qtype][1]
 
 
-def supports(K: int) -> bool:
-    """Whether rows of K weights can be quantized here (the kernels take blocks by pairs)."""
-    return K > 0 and K % (2 * BLOCK) == 0
+def supports(N: int, K: int) -> bool:
+    """Whether an [N, K] weight can be kept quantized here (whole groups of rows, whole blocks)."""
+    return N > 0 and K > 0 and N % GROUP == 0 and K % BLOCK == 0
+
+
+def out_features(data: torch.Tensor) -> int:
+    return data.shape[0] * GROUP
 
 
 def _check(data: torch.Tensor, qtype: str, K: int):
     if qtype not in QTYPES:
         raise ValueError(f"qtype must be one of {', '.join(QTYPES)}, got {qtype!r}")
-    if not supports(K):
-        raise ValueError(f"{qtype}: K = {K} is not a positive multiple of {2 * BLOCK}")
-    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != row_bytes(qtype, K):
-        raise ValueError(f"{qtype} weight must be uint8 [N, {row_bytes(qtype, K)}] for K = {K}, "
+    if K <= 0 or K % BLOCK:
+        raise ValueError(f"{qtype}: K = {K} is not a positive multiple of {BLOCK}")
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != group_bytes(qtype, K):
+        raise ValueError(f"{qtype} weight must be uint8 [N / 16, {group_bytes(qtype, K)}] for K = {K}, "
                          f"got {data.dtype} {list(data.shape)}")
 
 
 def linear_q(x: torch.Tensor, data: torch.Tensor, qtype: str) -> torch.Tensor:
-    """x: [..., K] bf16 / fp32 (CPU), data: a quantized [N, K] weight -> [..., N] in x's dtype."""
+    """x: [..., K] bf16 / fp32 (CPU), data: a quantized [N, K] weight (uint8 [N / 16, ...]) -> [..., N] in x's dtype."""
     K = x.shape[-1]
     if _ops.CHECKED:
         _check(data, qtype, K)
@@ -54,57 +59,62 @@ def linear_q(x: torch.Tensor, data: torch.Tensor, qtype: str) -> torch.Tensor:
     else:  # no extension: the same quantized operands, an fp32 GEMM
         q, d, _ = quantize_x(rows)
         y = F.linear((q * d).reshape(rows.shape), dequantize(data, qtype)).to(x.dtype)
-    return y.reshape(*x.shape[:-1], data.shape[0])
+    return y.reshape(*x.shape[:-1], out_features(data))
 
 
 def embedding_q(ids: torch.Tensor, data: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of a quantized [V, K] table, dequantized -> [*ids.shape, K] in `dtype`."""
-    rows = dequantize(data[ids.reshape(-1)], qtype)
-    return rows.to(dtype).reshape(*ids.shape, rows.shape[-1])
+    out = rows(data, qtype, ids.reshape(-1))
+    return out.to(dtype).reshape(*ids.shape, out.shape[-1])
 
 
 # ----------------------------------------------------------------------------- layouts
 
-def _interleave() -> torch.Tensor:
-    """Position o of a pair of blocks -> the natural index (32 * block + k) of the weight stored there."""
-    o = torch.arange(2 * BLOCK)
-    return 32 * ((o // 4) % 2) + 4 * (o // 8) + o % 4
-
-
-_PAIR = _interleave()
-_UNPAIR = torch.argsort(_PAIR)
-
-
 def _pack(d: torch.Tensor, m: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
-    """d, m: fp16 [N, nb]; q: [N, nb, 32] quants in natural order (int8 for Q8_0, 0..15 for Q4_1) -> rows."""
+    """d, m: fp16 [N, nb]; q: [N, nb, 32] quants in order (int8 for Q8_0, 0..15 for Q4_1) -> [N / 16, ...]."""
     N, nb = d.shape
-    pairs = q.reshape(N, nb // 2, 2 * BLOCK)[..., _PAIR]                     # [N, nb / 2, 64]
+    G = N // GROUP
+    per_block = lambda t: t.reshape(G, GROUP, nb).transpose(1, 2).contiguous().view(torch.uint8)  # [G, nb, 32]
+    sub = q.reshape(G, GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4)                 # [G, nb, sub-block j, row, 4]
     if m is None:
-        quants = pairs.to(torch.int8).view(torch.uint8)
+        quants = sub.to(torch.int8).contiguous().view(torch.uint8)
+        parts = [per_block(d), quants.reshape(G, nb, -1)]
     else:
-        pairs = pairs.to(torch.uint8)
-        quants = pairs[..., :32] | (pairs[..., 32:] << 4)
-    scales = [d.contiguous().view(torch.uint8)] + ([] if m is None else [m.contiguous().view(torch.uint8)])
-    return torch.cat(scales + [quants.reshape(N, -1)], -1).contiguous()
+        sub = sub.to(torch.uint8)
+        quants = sub[:, :, :4] | (sub[:, :, 4:] << 4)                          # sub-block j + 4 in the high nibbles
+        parts = [per_block(d), per_block(m), quants.reshape(G, nb, -1)]
+    return torch.cat(parts, -1).reshape(G, -1).contiguous()
 
 
 def _fields(data: torch.Tensor, qtype: str):
-    """Rows -> (d fp16 [N, nb], m fp16 [N, nb] or None, q int32 [N, nb, 32] in natural order)."""
-    N = data.shape[0]
-    nb = data.shape[1] // QTYPES[qtype][1]
-    d = data[:, :2 * nb].contiguous().view(torch.float16)
+    """-> (d fp16 [N, nb], m fp16 [N, nb] or None, q int32 [N, nb, 32] in order)."""
+    G = data.shape[0]
+    blocks = data.reshape(G, -1, GROUP * QTYPES[qtype][1])                     # [G, nb, group block]
+    nb = blocks.shape[1]
+    per_row = lambda t: t.contiguous().view(torch.float16).transpose(1, 2).reshape(G * GROUP, nb)
+    d = per_row(blocks[..., :32])
     if qtype == "q8_0":
-        pairs = data[:, 2 * nb:].contiguous().view(torch.int8).reshape(N, nb // 2, 2 * BLOCK).int()
-        m = None
+        m, sub = None, blocks[..., 32:].contiguous().view(torch.int8).reshape(G, nb, 8, GROUP, 4).int()
     else:
-        m = data[:, 2 * nb:4 * nb].contiguous().view(torch.float16)
-        packed = data[:, 4 * nb:].reshape(N, nb // 2, BLOCK).int()
-        pairs = torch.cat([packed & 15, packed >> 4], -1)
-    return d, m, pairs[..., _UNPAIR].reshape(N, nb, BLOCK)
+        m = per_row(blocks[..., 32:64])
+        packed = blocks[..., 64:].reshape(G, nb, 4, GROUP, 4).int()
+        sub = torch.cat([packed & 15, packed >> 4], 2)                          # [G, nb, 8, row, 4]
+    q = sub.permute(0, 3, 1, 2, 4).reshape(G * GROUP, nb, BLOCK)
+    return d, m, q
+
+
+def rows(data: torch.Tensor, qtype: str, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64 [T]) dequantized -> fp32 [T, K]: their groups, then the rows within."""
+    d, m, q = _fields(data[ids // GROUP], qtype)                              # [T * 16, ...]
+    pick = torch.arange(len(ids)) * GROUP + ids % GROUP
+    w = d[pick].float()[..., None] * q[pick]
+    if m is not None:
+        w = w + m[pick].float()[..., None]
+    return w.reshape(len(ids), -1)
 
 
 def from_gguf(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
-    """A GGUF tensor's blocks, uint8 [N, nb * block bytes] -> this module's rows (the same values)."""
+    """A GGUF tensor's blocks, uint8 [N, nb * block bytes] (N % 16 == 0) -> this module's layout (the same values)."""
     N = blocks.shape[0]
     b = blocks.reshape(N, -1, QTYPES[qtype][1])
     d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
@@ -116,10 +126,11 @@ def from_gguf(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
 
 
 def quantize(w: torch.Tensor, qtype: str) -> torch.Tensor:
-    """w: float [N, K] -> rows. Q8_0: d = max|w| / 127, q = round(w / d); Q4_1: m = min, d = (max - min) / 15,
+    """w: float [N, K] -> [N / 16, ...]. Q8_0: d = max|w| / 127, q = round(w / d); Q4_1: m = min, d = (max - min) / 15,
     q = round((w - m) / d) in 0..15. d and m are stored as fp16."""
     N, K = w.shape
-    _check(torch.empty(N, row_bytes(qtype, K), dtype=torch.uint8), qtype, K)
+    if not supports(N, K):
+        raise ValueError(f"{qtype}: a [{N}, {K}] weight does not split into groups of {GROUP} rows and blocks of {BLOCK}")
     blocks = w.float().reshape(N, K // BLOCK, BLOCK)
     if qtype == "q8_0":
         d = blocks.abs().amax(-1) / 127
@@ -132,12 +143,12 @@ def quantize(w: torch.Tensor, qtype: str) -> torch.Tensor:
 
 
 def dequantize(data: torch.Tensor, qtype: str) -> torch.Tensor:
-    """Rows -> fp32 [N, K]."""
+    """[N / 16, ...] -> fp32 [N, K]."""
     d, m, q = _fields(data, qtype)
     w = d.float()[..., None] * q
     if m is not None:
         w = w + m.float()[..., None]
-    return w.reshape(data.shape[0], -1)
+    return w.reshape(out_features(data), -1)
 
 
 # ----------------------------------------------------------------------------- the kernel's arithmetic

@@ -120,10 +120,10 @@ def hf_to_engine_name(name: str) -> tuple[str, int | None]:
 WEIGHTS = ("auto", "bf16", "q8_0", "q4")
 
 
-def weight_format(weights: str, name: str, src: str | None, K: int) -> str | None:
-    """The block type parameter `name` ([N, K]) is kept in, or None for a float tensor."""
+def weight_format(weights: str, name: str, src: str | None, shape: tuple[int, ...]) -> str | None:
+    """The block type parameter `name` is kept in, or None for a float tensor."""
     matrix = name.endswith("_proj.weight") or name in ("embed_tokens.weight", "lm_head.weight")
-    if weights == "bf16" or not matrix or not quant.supports(K):
+    if weights == "bf16" or not matrix or len(shape) != 2 or not quant.supports(*shape):
         return None
     if weights == "auto":
         return src if src in quant.QTYPES else None
@@ -143,7 +143,7 @@ class _Assembler:
     def keeps(self, name: str, src: str) -> bool:
         """Whether blocks of type `src` for `name` are kept as they are (else they arrive dequantized)."""
         param = self.params.get(name)
-        return param is not None and param.dim() == 2 and weight_format(self.weights, name, src, param.shape[1]) == src
+        return param is not None and weight_format(self.weights, name, src, tuple(param.shape)) == src
 
     def add(self, name: str, tensor: torch.Tensor, part: int | None = None, qtype: str | None = None):
         if name == "lm_head.weight" and self.model.cfg.tie_embeddings:
@@ -165,10 +165,11 @@ class _Assembler:
 
     def _set(self, name: str, tensor: torch.Tensor, qtype: str | None):
         expected = tuple(self.params[name].shape)
-        want = weight_format(self.weights, name, qtype, expected[-1]) if len(expected) == 2 else None
+        want = weight_format(self.weights, name, qtype, expected)
         if qtype and want != qtype:
             tensor, qtype = quant.dequantize(tensor, qtype), None
-        got = tuple(tensor.shape) if qtype is None else (tensor.shape[0], tensor.shape[1] // quant.QTYPES[qtype][1] * quant.BLOCK)
+        got = tuple(tensor.shape) if qtype is None else \
+            (quant.out_features(tensor), tensor.shape[1] // (quant.GROUP * quant.QTYPES[qtype][1]) * quant.BLOCK)
         if got != expected:
             raise ValueError(f"checkpoint tensor {name} has shape {got}, the config implies {expected}")
         module_name, attr = name.rsplit(".", 1)
@@ -295,7 +296,7 @@ def load_gguf(path: Path, dtype: torch.dtype, weights: str = "bf16") -> tuple[Ll
             target, part = _GGUF_FUSED.get(kind, (_GGUF_NAMES.get(kind), None))
             name = f"layers.{layer}.{target}"
         src = t.tensor_type.name.lower()
-        if asm.keeps(name, src):  # the blocks as stored: uint8 [rows, row bytes]
+        if asm.keeps(name, src) and t.data.shape[0] % quant.GROUP == 0:  # the blocks as stored: uint8 [rows, row bytes]
             w, qtype = np.asarray(t.data), src
         else:
             w, qtype = gguf.quants.dequantize(t.data, t.tensor_type), None

@@ -34,12 +34,12 @@ class Linear(nn.Linear):
 
 
 class QLinear(nn.Module):
-    """A linear layer on GGUF block-quantized weights (CPU): qweight uint8 [N, K / 32 * block bytes]."""
+    """A linear layer on GGUF block-quantized weights (CPU): qweight in eagle_kernels.quant's layout."""
 
     def __init__(self, qweight: torch.Tensor, qtype: str, in_features: int):
         super().__init__()
         self.register_buffer("qweight", qweight)
-        self.qtype, self.in_features, self.out_features = qtype, in_features, qweight.shape[0]
+        self.qtype, self.in_features, self.out_features = qtype, in_features, eagle_kernels.quant.out_features(qweight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return eagle_kernels.linear_q(x, self.qweight, self.qtype)
