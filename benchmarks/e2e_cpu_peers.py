@@ -63,10 +63,10 @@ class Engine:
 
 
 class LlamaCpp:
-    def __init__(self, path: Path, threads: int):
+    def __init__(self, path: Path, threads: int, batch: int):
         from llama_cpp import Llama
         self.llm = Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=2048,
-                         n_batch=512, verbose=False)
+                         n_batch=batch, n_ubatch=batch, verbose=False)
 
     def run(self, ids: list[int], n: int) -> tuple[list[int], float, float]:
         self.llm.reset()
@@ -111,6 +111,9 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--weights", default="auto,bf16", help="comma-separated engine weight formats")
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--llama-cpp-batch", type=int, default=512,
+                   help="llama.cpp's prompt batch; 1 evaluates the prompt token by token (its decode speed is the "
+                        "same), for builds whose batched kernels fail on a machine")
     p.add_argument("--png", default="benchmarks/plots/e2e_cpu_peers.png")
     p.add_argument("--json", default="benchmarks/plots/e2e_cpu_peers.json")
     args = p.parse_args(argv)
@@ -128,7 +131,7 @@ def main(argv=None):
         contenders[f"engine vanilla ({w})"] = lambda ids, n, eng=eng: eng.run(ids, n, "vanilla")
         contenders[f"engine auto ({w})"] = lambda ids, n, eng=eng: eng.run(ids, n, "auto")
     try:
-        cpp = LlamaCpp(src.path, args.threads)
+        cpp = LlamaCpp(src.path, args.threads, args.llama_cpp_batch)
         contenders["llama.cpp"] = cpp.run
     except ImportError:
         print("llama-cpp-python is not installed (pip install llama-cpp-python): llama.cpp is left out", file=sys.stderr)

@@ -253,43 +253,49 @@ EAGLE_AVX512_VNNI inline void store16(c10::BFloat16* y, __m512 v) {
 }
 
 // AVX-512 VNNI: a zmm lane per row of the group. Q8_0 quants become unsigned by +128 (xor 0x80), and the
-// block sum takes 128 * sum(xq) back off, exactly.
-template <bool Q4, int R, typename Out>
-EAGLE_AVX512_VNNI void group_avx512(const uint8_t* w, const Panel& x, Out* y, int64_t ldy) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+// block sum takes 128 * sum(xq) back off, exactly. G groups, `gap` groups apart, go side by side: two
+// streams from DRAM keep more requests in flight than one (decode reads ~1.3x faster).
+template <bool Q4, int R, int G = 1, typename Out>
+EAGLE_AVX512_VNNI void group_avx512(const uint8_t* w, const Panel& x, Out* y, int64_t ldy, int64_t gap = 0) {
+  __m512 acc[G][R];
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
   const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t stride = gap * x.nb * group_block_bytes<Q4>();
   for (int64_t b = 0; b < x.nb; ++b) {
-    const uint8_t* blk = w + b * group_block_bytes<Q4>();
-    prefetch_ahead<Q4>(blk);
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-    __m512i wq[8];
-    if constexpr (Q4) {
-      for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512(blk + 64 + 64 * j);
-        wq[j] = _mm512_and_si512(v, nib);
-        wq[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-      }
-    } else {
-      for (int j = 0; j < 8; ++j) wq[j] = _mm512_xor_si512(_mm512_loadu_si512(blk + 32 + 64 * j), flip);
-    }
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xq = x.q + r * x.K + b * kBlock;
-      __m512i isum = Q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * x.sum[r * x.nb + b]);
-      for (int j = 0; j < 8; ++j) {
-        int32_t a;
-        std::memcpy(&a, xq + 4 * j, 4);
-        isum = _mm512_dpbusd_epi32(isum, wq[j], _mm512_set1_epi32(a));
-      }
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.nb + b]));
-      acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), acc[r]);
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* blk = w + g * stride + b * group_block_bytes<Q4>();
+      prefetch_ahead<Q4>(blk);
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+      __m512i wq[8];
       if constexpr (Q4) {
-        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[r * x.nb + b]), acc[r]);
+        for (int j = 0; j < 4; ++j) {
+          const __m512i v = _mm512_loadu_si512(blk + 64 + 64 * j);
+          wq[j] = _mm512_and_si512(v, nib);
+          wq[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        }
+      } else {
+        for (int j = 0; j < 8; ++j) wq[j] = _mm512_xor_si512(_mm512_loadu_si512(blk + 32 + 64 * j), flip);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = x.q + r * x.K + b * kBlock;
+        __m512i isum = Q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * x.sum[r * x.nb + b]);
+        for (int j = 0; j < 8; ++j) {
+          int32_t a;
+          std::memcpy(&a, xq + 4 * j, 4);
+          isum = _mm512_dpbusd_epi32(isum, wq[j], _mm512_set1_epi32(a));
+        }
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.nb + b]));
+        acc[g][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), acc[g][r]);
+        if constexpr (Q4) {
+          const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+          acc[g][r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[r * x.nb + b]), acc[g][r]);
+        }
       }
     }
   }
-  for (int r = 0; r < R; ++r) store16(y + r * ldy, acc[r]);
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) store16(y + g * gap * kGroup + r * ldy, acc[g][r]);
 }
 
 template <bool Q4, int R, typename Out>
@@ -315,6 +321,15 @@ void group_any(const uint8_t* w, const Panel& x, int64_t R, Out* y, int64_t ldy)
 template <bool Q4, typename Out>
 void compute(const uint8_t* w, int64_t g0, int64_t g1, const QuantX& xq, int64_t M, int64_t N, Out* y) {
   const int64_t K = xq.K, nb = xq.nb, group_bytes = nb * group_block_bytes<Q4>();
+#if defined(__x86_64__)
+  if (M == 1 && use_avx512()) {  // decode: the range's two halves side by side
+    const Panel x{xq.q.data(), xq.d.data(), xq.s.data(), xq.sum.data(), K, nb};
+    const int64_t half = (g1 - g0) / 2;
+    for (int64_t g = g0; g < g0 + half; ++g) group_avx512<Q4, 1, 2>(w + g * group_bytes, x, y + g * kGroup, N, half);
+    if ((g1 - g0) % 2) group_avx512<Q4, 1>(w + (g1 - 1) * group_bytes, x, y + (g1 - 1) * kGroup, N);
+    return;
+  }
+#endif
   for (int64_t g = g0; g < g1; ++g) {
     for (int64_t m = 0; m < M; m += 4) {
       const int64_t R = std::min<int64_t>(4, M - m);

@@ -19,6 +19,7 @@ BLOCK, GROUP = 32, 16
 QTYPES = {"q4_1": (3, 20), "q8_0": (8, 34)}
 
 _CPU_OP = has_kernel("linear_q", torch.device("cpu"))
+_OP = ops().linear_q if _CPU_OP else None
 
 
 def group_bytes(qtype: str, K: int) -> int:
@@ -53,9 +54,11 @@ def linear_q(x: torch.Tensor, data: torch.Tensor, qtype: str) -> torch.Tensor:
         if x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu" or data.device.type != "cpu":
             raise ValueError(f"linear_q: x must be a bf16/fp32 CPU tensor and the weight on the CPU, got "
                              f"{x.dtype} on {x.device}, weight on {data.device}")
+    if _CPU_OP and x.dim() == 2:  # the engine's packed tokens: no reshapes (this runs ~120 times a token)
+        return _OP(x, data, QTYPES[qtype][0])
     rows = x.reshape(-1, K)
     if _CPU_OP:
-        y = ops().linear_q(rows, data, QTYPES[qtype][0])
+        y = _OP(rows, data, QTYPES[qtype][0])
     else:  # no extension: the same quantized operands, an fp32 GEMM
         q, d, _ = quantize_x(rows)
         y = F.linear((q * d).reshape(rows.shape), dequantize(data, qtype)).to(x.dtype)
@@ -104,13 +107,25 @@ def _fields(data: torch.Tensor, qtype: str):
 
 
 def rows(data: torch.Tensor, qtype: str, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` (int64 [T]) dequantized -> fp32 [T, K]: their groups, then the rows within."""
-    d, m, q = _fields(data[ids // GROUP], qtype)                              # [T * 16, ...]
-    pick = torch.arange(len(ids)) * GROUP + ids % GROUP
-    w = d[pick].float()[..., None] * q[pick]
-    if m is not None:
-        w = w + m[pick].float()[..., None]
-    return w.reshape(len(ids), -1)
+    """Rows `ids` (int64 [T]) dequantized -> fp32 [T, K], straight from their groups (a token's embedding)."""
+    T, size = len(ids), QTYPES[qtype][1]
+    blocks = data[ids // GROUP].reshape(T, -1, GROUP * size)                 # [T, nb, group block]
+    lane = (ids % GROUP)[:, None, None].expand(T, blocks.shape[1], 1)         # [T, nb, 1]
+    scale = lambda t: t.contiguous().view(torch.float16).gather(2, lane).float()   # [T, nb, 1]
+    if qtype == "q8_0":
+        quants = blocks[..., 32:].reshape(T, -1, 8, GROUP, 4).view(torch.int8)
+        w = scale(blocks[..., :32]) * _lane(quants, lane)
+    else:
+        packed = _lane(blocks[..., 64:].reshape(T, -1, 4, GROUP, 4), lane)     # [T, nb, 16]
+        w = scale(blocks[..., :32]) * torch.cat([packed & 15, packed >> 4], -1) + scale(blocks[..., 32:64])
+    return w.reshape(T, -1)
+
+
+def _lane(sub: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+    """sub [T, nb, J, 16, 4] -> row `lane` of each: [T, nb, J * 4] (the block's quants in order)."""
+    T, nb, J = sub.shape[:3]
+    index = lane[..., None, None].expand(T, nb, J, 1, 4)                      # lane: [T, nb, 1]
+    return sub.gather(3, index).reshape(T, nb, J * 4)
 
 
 def from_gguf(blocks: torch.Tensor, qtype: str) -> torch.Tensor:

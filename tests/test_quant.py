@@ -111,13 +111,14 @@ def test_from_gguf_keeps_gguf_values(qtype):
     assert torch.equal(ours, torch.from_numpy(np.array(gguf.quants.dequantize(blocks, kind), dtype=np.float32)))
 
 
-def test_embedding_q_rows():
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_embedding_q_rows(qtype):
     gen = torch.Generator().manual_seed(2)
-    data = quant.quantize(torch.randn(48, 128, generator=gen), "q8_0")
-    ids = torch.tensor([[3, 47], [0, 19]])
-    rows = eagle_kernels.embedding_q(ids, data, "q8_0", torch.bfloat16)
-    assert rows.shape == (2, 2, 128) and rows.dtype == torch.bfloat16
-    assert torch.equal(rows, quant.dequantize(data, "q8_0")[ids].bfloat16())
+    data = quant.quantize(torch.randn(48, 128, generator=gen), qtype)
+    ids = torch.tensor([[3, 47], [0, 19], [19, 16]])
+    rows = eagle_kernels.embedding_q(ids, data, qtype, torch.bfloat16)
+    assert rows.shape == (3, 2, 128) and rows.dtype == torch.bfloat16
+    assert torch.equal(rows, quant.dequantize(data, qtype)[ids].bfloat16())
 
 
 def test_linear_q_bad_arguments():
