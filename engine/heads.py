@@ -239,7 +239,7 @@ def new_head(kind: str, target: Llama, **kwargs) -> DraftHead:
     """A randomly initialised head of `kind` ("eagle" / "eagle3") for `target` (training, tests)."""
     if kind not in HEADS:
         raise ValueError(f"head kind must be one of {', '.join(HEADS)}, got {kind!r}")
-    weight = target.norm.weight  # the target's device and compute dtype
+    weight = next(target.parameters())  # the target's device and compute dtype (norms stay dense)
     return HEADS[kind](head_config(target.cfg), target, **kwargs).to(weight.device, weight.dtype).eval()
 
 
@@ -279,7 +279,7 @@ def load_head(path: str | Path, target: Llama, kind: str | None = None) -> Draft
         head = Eagle3Head(cfg, target, vd)
         _vocab_map(head, tensors, path)
     _load_tensors(head, tensors, path)
-    weight = target.norm.weight  # the target's device and compute dtype
+    weight = next(target.parameters())  # the target's device and compute dtype (norms stay dense)
     return head.to(weight.device, weight.dtype).eval()
 
 

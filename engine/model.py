@@ -57,6 +57,13 @@ class QEmbedding(nn.Module):
         return eagle_kernels.embedding_q(ids, self.qweight, self.qtype, self.dtype)
 
 
+def dense_weight(module: nn.Module) -> torch.Tensor:
+    """The [N, K] weight of a Linear / Embedding, or of a QLinear / QEmbedding dequantized to fp32."""
+    if isinstance(module, (QLinear, QEmbedding)):
+        return eagle_kernels.quant.dequantize(module.qweight, module.qtype)
+    return module.weight
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

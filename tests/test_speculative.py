@@ -119,6 +119,13 @@ def test_default_method_uses_a_shipped_eagle3_head(llm, prompt_ids, vanilla):
     assert default_method() == "auto"
     decoder = use(llm, "auto")
     assert isinstance(decoder, EagleDecoder) and decoder.head.kind == "eagle3"
+    out, _ = run(llm, prompt_ids[:3], 32)
+    assert out == [v[:32] for v in vanilla[:3]]
+    assert_released(llm, decoder)
+    # auto drafts only where it pays (on this quantized target, rarely); drafting every round shows the head's
+    # acceptance
+    decoder = use(llm, "eagle3")
+    assert decoder.head.kind == "eagle3"
     out, stats = run(llm, prompt_ids[:5], 64)
     assert out == [v[:64] for v in vanilla[:5]]
     assert stats["tau"] > 1.1  # an untrained head stays at ~1.0
@@ -138,8 +145,8 @@ def test_aborted_run_returns_every_block(llm, prompt_ids):
 
 
 def test_batched_equals_each_request_alone(llm, prompt_ids, vanilla):
-    """SpS from the target's 20th layer accepts often, so paths of different lengths mix in one batch."""
-    use(llm, "sps", draft="early-exit:20", draft_len=3)
+    """SpS from the target's 24th layer accepts often, so paths of different lengths mix in one batch."""
+    use(llm, "sps", draft="early-exit:24", draft_len=3)
     picks = [2, 17, 18]
     batched, stats = run(llm, [prompt_ids[i] for i in picks], 32)
     assert stats["tau"] > 1.1

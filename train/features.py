@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model import Linear
+from engine.model import Linear, dense_weight
 
 FEATURE_SEQ = 1 << 29  # sequence ids the scheduler never hands out
 
@@ -21,14 +21,14 @@ class TargetView(nn.Module):
     def __init__(self, target):
         super().__init__()
         self.cfg = target.cfg
-        w = target.embed_tokens.weight
+        w = dense_weight(target.embed_tokens)                     # dequantized when the target keeps blocks
         self.embed_tokens = nn.Embedding(*w.shape, device=w.device, dtype=torch.float32)
         self.embed_tokens.weight.data.copy_(w)
-        self.lm_head = Linear(*target.lm_head.weight.shape[::-1], bias=False, device=w.device, dtype=torch.float32)
-        if target.lm_head.weight is w:
+        self.lm_head = Linear(w.shape[1], target.cfg.vocab_size, bias=False, device=w.device, dtype=torch.float32)
+        if target.cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         else:
-            self.lm_head.weight.data.copy_(target.lm_head.weight)
+            self.lm_head.weight.data.copy_(dense_weight(target.lm_head))
         self.requires_grad_(False)
 
 
