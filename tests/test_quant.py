@@ -173,3 +173,35 @@ def test_loader_weights_errors():
         load_model("smollm2-135m", weights="q3")
     with pytest.raises(ValueError, match="CPU only"):
         load_model("smollm2-135m", weights="q4", device="cuda")
+
+
+@pytest.mark.parametrize("weights", ["q4", "q8_0"])
+def test_quantized_hf_checkpoint_speculates_losslessly(tmp_path, weights):
+    """A safetensors checkpoint quantized at load: its linears run on blocks, and speculation reproduces vanilla's
+    greedy tokens: SpS from the first 6 of 8 layers (accepted often: paths of several lengths mix) and EAGLE-3
+    (a random head reading the quantized embedding)."""
+    from engine.llm import LLM
+    from engine.model import QEmbedding, QLinear
+    from engine.scheduler import SamplingParams
+    from tests.conftest import write_tiny_llama
+    from tests.test_speculative_sampling import write_tokenizer
+    hf = write_tiny_llama(tmp_path, seed=3, vocab_size=96, num_hidden_layers=8)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8.0)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    write_tokenizer(tmp_path, 96)
+    llm = LLM(str(tmp_path), "bfloat16", device="cpu", kv_cache_gb=0.02, block_size=8, max_batch=4, weights=weights)
+    assert isinstance(llm.model.layers[0].mlp.gate_up_proj, QLinear) and isinstance(llm.model.lm_head, QLinear)
+    assert isinstance(llm.model.embed_tokens, QEmbedding)
+    prompts = [[1, 5, 9, 11, 4], [1, 7], [1, 3, 3, 3, 4, 5]]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    llm.set_method("vanilla")
+    vanilla = [s.output_ids for s in llm.generate(prompts, params)[0]]
+    for method, args in (("sps", {"draft": "early-exit:6", "draft_len": 3}),
+                         ("eagle3", {"head": "random", "depth": 3, "topk": 3, "tree_tokens": 8})):
+        llm.set_method(method, args)
+        seqs, stats = llm.generate(prompts, params)
+        assert [s.output_ids for s in seqs] == vanilla, method
+        assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
+        if method == "sps":
+            assert stats.as_dict()["tau"] > 1.1
