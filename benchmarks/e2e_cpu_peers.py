@@ -48,13 +48,15 @@ PROMPTS = [
 
 
 class Engine:
-    def __init__(self, model: str, weights: str, threads: int):
-        self.llm = LLM(model, "bfloat16", device="cpu", weights=weights, threads=threads, max_batch=1,
-                       kv_cache_gb=0.25)
+    """One engine per (weights, method): a method's state (the adaptive policy's timings and acceptance) lives
+    on across prompts, as in a server."""
 
-    def run(self, ids: list[int], n: int, method: str) -> tuple[list[int], float, float]:
+    def __init__(self, model: str, weights: str, threads: int, method: str):
+        self.llm = LLM(model, "bfloat16", device="cpu", weights=weights, threads=threads, max_batch=1,
+                       kv_cache_gb=0.25, method=method)
+
+    def run(self, ids: list[int], n: int) -> tuple[list[int], float, float]:
         """-> (tokens, seconds to the first token, seconds in all)."""
-        self.llm.set_method(method)
         first = []
         t0 = time.perf_counter()
         seqs, _ = self.llm.generate([ids], SamplingParams(max_new_tokens=n, ignore_eos=True),
@@ -124,12 +126,9 @@ def main(argv=None):
         p.error(f"--model must be a GGUF model (llama.cpp reads GGUF), got {src.path}")
     torch.set_num_threads(args.threads)
 
-    engines = {w: Engine(args.model, w, args.threads) for w in args.weights.split(",")}
-    tok = next(iter(engines.values())).llm
-    contenders = {}
-    for w, eng in engines.items():
-        contenders[f"engine vanilla ({w})"] = lambda ids, n, eng=eng: eng.run(ids, n, "vanilla")
-        contenders[f"engine auto ({w})"] = lambda ids, n, eng=eng: eng.run(ids, n, "auto")
+    weights = args.weights.split(",")
+    contenders = {f"engine {m} ({w})": Engine(args.model, w, args.threads, m).run for w in weights for m in ("vanilla", "auto")}
+    tok = contenders[f"engine vanilla ({weights[0]})"].__self__.llm
     try:
         cpp = LlamaCpp(src.path, args.threads, args.llama_cpp_batch)
         contenders["llama.cpp"] = cpp.run
@@ -158,7 +157,7 @@ def main(argv=None):
         print(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{n} {decode[n][-1]:.1f}" for n in names), flush=True)
 
     same = {w: sum(a == b for a, b in zip(outputs[f"engine vanilla ({w})"], outputs[f"engine auto ({w})"]))
-            for w in engines}
+            for w in weights}
     ref = "llama.cpp" if "llama.cpp" in contenders else None
     med = {n: statistics.median(decode[n]) for n in names}
     print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy, {args.threads} threads, batch 1")
