@@ -3,8 +3,9 @@
     python benchmarks/e2e_cpu_peers.py [--prompts 10] [--max-tokens 128] [--threads 2]
         [--weights auto,bf16] [--no-transformers] [--png benchmarks/plots/e2e_cpu_peers.png]
 
-Contenders, alternated prompt by prompt (each prompt runs through every contender back to back, in an
-order that rotates, so load drift on a shared machine hits all alike):
+Contenders, each in its own process (no shared thread pools or caches between them), alternated prompt by
+prompt (each prompt runs through every contender back to back, in an order that rotates, so load drift on a
+shared machine hits all alike):
   - this engine, vanilla and the default method (`auto`: EAGLE-3 with adaptive depth), per weight format
     (--weights: auto = the GGUF's own Q4_1/Q8_0 blocks, bf16 = dequantized);
   - llama.cpp through llama-cpp-python (optional: `pip install llama-cpp-python`; the same GGUF file, the
@@ -54,6 +55,9 @@ class Engine:
     def __init__(self, model: str, weights: str, threads: int, method: str):
         self.llm = LLM(model, "bfloat16", device="cpu", weights=weights, threads=threads, max_batch=1,
                        kv_cache_gb=0.25, method=method)
+
+    def chat_ids(self, text: str) -> list[int]:
+        return self.llm.chat_ids(text)
 
     def run(self, ids: list[int], n: int) -> tuple[list[int], float, float]:
         """-> (tokens, seconds to the first token, seconds in all)."""
@@ -105,6 +109,39 @@ class Transformers:
         return out[0, len(ids):].tolist(), first[0] - t0, time.perf_counter() - t0
 
 
+def serve(conn, kind: str, args: tuple):
+    """A contender in its own process: builds it, then answers (method name, arguments) until None."""
+    try:
+        obj = {"engine": Engine, "llama.cpp": LlamaCpp, "transformers": Transformers}[kind](*args)
+    except ImportError as e:
+        return conn.send(f"missing: {e}")
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        conn.send(getattr(obj, msg[0])(*msg[1]))
+
+
+class Worker:
+    def __init__(self, kind: str, *args):
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child, kind, args), daemon=True)
+        self.proc.start()
+        self.status = self.conn.recv()
+
+    def call(self, name: str, *args):
+        self.conn.send((name, args))
+        return self.conn.recv()
+
+    def run(self, ids: list[int], n: int):
+        return self.call("run", ids, n)
+
+    def close(self):
+        if self.status == "ready":
+            self.conn.send(None)
+        self.proc.join()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="a GGUF model (registry name or path)")
@@ -124,21 +161,19 @@ def main(argv=None):
     src = resolve_model(args.model)
     if src.kind != "gguf":
         p.error(f"--model must be a GGUF model (llama.cpp reads GGUF), got {src.path}")
-    torch.set_num_threads(args.threads)
-
     weights = args.weights.split(",")
-    contenders = {f"engine {m} ({w})": Engine(args.model, w, args.threads, m).run for w in weights for m in ("vanilla", "auto")}
-    tok = contenders[f"engine vanilla ({weights[0]})"].__self__.llm
-    try:
-        cpp = LlamaCpp(src.path, args.threads, args.llama_cpp_batch)
-        contenders["llama.cpp"] = cpp.run
-    except ImportError:
+    workers = {f"engine {m} ({w})": Worker("engine", args.model, w, args.threads, m) for w in weights
+               for m in ("vanilla", "auto")}
+    workers["llama.cpp"] = Worker("llama.cpp", src.path, args.threads, args.llama_cpp_batch)
+    if workers["llama.cpp"].status != "ready":
         print("llama-cpp-python is not installed (pip install llama-cpp-python): llama.cpp is left out", file=sys.stderr)
+        workers.pop("llama.cpp").close()
     if not args.no_transformers:
-        hf = Transformers(src.path, args.threads)
-        contenders["transformers"] = hf.run
+        workers["transformers"] = Worker("transformers", src.path, args.threads)
+    contenders = {name: w.run for name, w in workers.items()}
 
-    prompts = [tok.chat_ids(text) for text in PROMPTS[:args.prompts]]
+    tok = workers[f"engine vanilla ({weights[0]})"]
+    prompts = [tok.call("chat_ids", text) for text in PROMPTS[:args.prompts]]
     for ids in prompts[:1]:  # warm-up: first-call allocations, the policy's first timings
         for run in contenders.values():
             run(ids, 16)
@@ -190,6 +225,8 @@ def main(argv=None):
     fig.tight_layout()
     fig.savefig(args.png, dpi=120)
     print(f"wrote {args.png}, {args.json}")
+    for w in workers.values():
+        w.close()
 
 
 if __name__ == "__main__":
