@@ -115,6 +115,8 @@ def serve(conn, kind: str, args: tuple):
         obj = {"engine": Engine, "llama.cpp": LlamaCpp, "transformers": Transformers}[kind](*args)
     except ImportError as e:
         return conn.send(f"missing: {e}")
+    except (ValueError, OSError) as e:  # a bad --weights / --model, an unreadable file
+        return conn.send(f"error: {e}")
     conn.send("ready")
     while (msg := conn.recv()) is not None:
         conn.send(getattr(obj, msg[0])(*msg[1]))
@@ -164,6 +166,9 @@ def main(argv=None):
     weights = args.weights.split(",")
     workers = {f"engine {m} ({w})": Worker("engine", args.model, w, args.threads, m) for w in weights
                for m in ("vanilla", "auto")}
+    for name, w in workers.items():
+        if w.status != "ready":
+            sys.exit(f"e2e_cpu_peers: {name}: {w.status}")
     workers["llama.cpp"] = Worker("llama.cpp", src.path, args.threads, args.llama_cpp_batch)
     if workers["llama.cpp"].status != "ready":
         print("llama-cpp-python is not installed (pip install llama-cpp-python): llama.cpp is left out", file=sys.stderr)
