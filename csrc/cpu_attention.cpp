@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -399,10 +400,14 @@ std::string paged_attention_errors_cpu(const at::Tensor& q, const at::Tensor& k_
                      k_cache.size(0), L);
 }
 
-at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                               const at::Tensor& block_tables_in, const at::Tensor& cu_in,
-                               const at::Tensor& prefix_in, const c10::optional<at::Tensor>& tree_mask_in,
-                               c10::optional<double> scale) {
+}  // namespace
+
+namespace eagle::cpu {
+
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables_in, const at::Tensor& cu_in,
+                           const at::Tensor& prefix_in, const c10::optional<at::Tensor>& tree_mask_in,
+                           c10::optional<double> scale) {
   Layout L{};
   const std::string arg_err = arg_error(q_in, k_cache, v_cache, block_tables_in, cu_in, prefix_in, tree_mask_in, L);
   TORCH_CHECK_VALUE(arg_err.empty(), arg_err);
@@ -426,7 +431,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache
   return out;
 }
 
-}  // namespace
+}  // namespace eagle::cpu
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seqlens_q,"
@@ -436,7 +441,7 @@ TORCH_LIBRARY_FRAGMENT(eagle, m) {
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {
-  m.impl("paged_attention", &paged_attention_cpu);
+  m.impl("paged_attention", &eagle::cpu::paged_attention);
 }
 
 // Every backend: the check reads values only after it has seen that all tensors are on the CPU.

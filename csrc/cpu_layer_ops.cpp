@@ -12,6 +12,7 @@
 #include <cmath>
 #include <string>
 
+#include "cpu_ops.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -30,9 +31,13 @@ void check_rows(const at::Tensor& x, const char* op) {
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.device().is_cpu(), op, ": x must be a CPU tensor [..., H]");
 }
 
+}  // namespace
+
+namespace eagle::cpu {
+
 // residual (when given) += x in place, then out = rms_norm(residual or x) * weight.
-at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight, double eps,
-                        const c10::optional<at::Tensor>& residual) {
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps,
+                    const c10::optional<at::Tensor>& residual) {
   check_rows(x_in, "rms_norm");
   const int64_t H = x_in.size(-1);
   TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == H && weight.scalar_type() == x_in.scalar_type(),
@@ -73,6 +78,10 @@ at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight, double
   return out;
 }
 
+}  // namespace eagle::cpu
+
+namespace {
+
 template <typename T>
 void silu_mul_row_scalar(const T* gate, const T* up, T* out, int64_t I, int64_t from) {
   for (int64_t d = from; d < I; ++d) {
@@ -96,8 +105,12 @@ EAGLE_AVX2 void silu_mul_row_avx2(const T* gate, const T* up, T* out, int64_t I)
 }
 #endif
 
+}  // namespace
+
+namespace eagle::cpu {
+
 // x: [..., 2I] = [gate | up] -> silu(gate) * up: [..., I].
-at::Tensor silu_and_mul_cpu(const at::Tensor& x_in) {
+at::Tensor silu_and_mul(const at::Tensor& x_in) {
   check_rows(x_in, "silu_and_mul");
   TORCH_CHECK_VALUE(x_in.size(-1) % 2 == 0, "silu_and_mul: the last dim must be even, got ", x_in.size(-1));
   const at::Tensor x = x_in.contiguous();
@@ -128,9 +141,9 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x_in) {
 
 // qkv: [T, (Hq + 2 Hkv) * D] (q heads, k heads, v heads); cos, sin: [T, D] in the half-split layout.
 // Rotates q and k, writes k and v to the cache slots, returns the rotated q [T, Hq, D].
-at::Tensor rope_write_kv_cpu(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
-                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                             int64_t num_q_heads) {
+at::Tensor rope_write_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                         int64_t num_q_heads) {
   check_rows(qkv_in, "rope_write_kv");
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                         v_cache.is_contiguous() && k_cache.scalar_type() == qkv_in.scalar_type() &&
@@ -181,6 +194,10 @@ at::Tensor rope_write_kv_cpu(const at::Tensor& qkv_in, const at::Tensor& cos_in,
   return q;
 }
 
+}  // namespace eagle::cpu
+
+namespace {
+
 // "" when every entry of the int32/int64 CPU vector `index` lies in [0, limit), else the first that does
 // not (as "<name>[i] = v is outside the cache's <limit> slots"); never throws.
 std::string index_errors(const at::Tensor& index, int64_t limit, c10::string_view name) {
@@ -207,9 +224,9 @@ TORCH_LIBRARY_FRAGMENT(eagle, m) {
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {
-  m.impl("rms_norm", &rms_norm_cpu);
-  m.impl("silu_and_mul", &silu_and_mul_cpu);
-  m.impl("rope_write_kv", &rope_write_kv_cpu);
+  m.impl("rms_norm", &eagle::cpu::rms_norm);
+  m.impl("silu_and_mul", &eagle::cpu::silu_and_mul);
+  m.impl("rope_write_kv", &eagle::cpu::rope_write_kv);
 }
 
 // Every backend: values are read only from a CPU tensor.

@@ -42,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -468,9 +469,13 @@ bool use_avx512() {
 #endif
 }
 
+}  // namespace
+
+namespace eagle::cpu {
+
 // One kernel call per step and layer: the output is written in place ([M, N], x's dtype), so no
 // conversion or transpose ops surround it (each costs more than the GEMV at these sizes).
-at::Tensor linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w) {
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
               "linear_bf16: w must be a contiguous bf16 [N, K] tensor");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1), "linear_bf16: x must be [M, K] with K = w.size(1)");
@@ -517,12 +522,12 @@ at::Tensor linear_bf16_cpu(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-}  // namespace
+}  // namespace eagle::cpu
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {
-  m.impl("linear_bf16", &linear_bf16_cpu);
+  m.impl("linear_bf16", &eagle::cpu::linear_bf16);
 }

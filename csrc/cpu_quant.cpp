@@ -31,6 +31,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "cpu_vec.h"
 
 #if defined(__x86_64__)
@@ -345,7 +346,11 @@ void compute(const uint8_t* w, int64_t g0, int64_t g1, const QuantX& xq, int64_t
   }
 }
 
-at::Tensor linear_q_cpu(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
+}  // namespace
+
+namespace eagle::cpu {
+
+at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
   TORCH_CHECK_VALUE(qtype == kQ4_1 || qtype == kQ8_0, "linear_q: qtype must be 3 (Q4_1) or 8 (Q8_0), got ", qtype);
   TORCH_CHECK_VALUE(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
                     "linear_q: x must be a bf16 or fp32 [M, K] tensor");
@@ -375,12 +380,12 @@ at::Tensor linear_q_cpu(const at::Tensor& x, const at::Tensor& w, int64_t qtype)
   return y;
 }
 
-}  // namespace
+}  // namespace eagle::cpu
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("linear_q(Tensor x, Tensor w, int qtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {
-  m.impl("linear_q", &linear_q_cpu);
+  m.impl("linear_q", &eagle::cpu::linear_q);
 }

@@ -162,6 +162,7 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg)
+        self.fused, self._stack = True, None  # CPU steps through eagle_kernels.decoder_layers (see stack())
 
     def forward(self, input_ids, positions, kv_caches, meta: AttnMeta, capture: tuple[int, ...] = ()):
         """input_ids, positions: [T]. Returns the final normed feature [T, H] (EAGLE-1's feature, the LM
@@ -170,12 +171,53 @@ class Llama(nn.Module):
         cos, sin = self.rotary(positions, torch.float32)
         delta, captured = None, []
         with eagle_kernels.unchecked():           # every layer's arguments are built here, from meta
+            stack = self.stack() if eagle_kernels.decoder_layers_fit(residual, meta.max_new) else None
+            if stack is not None:                 # the same kernels as the layers below, in one C++ call
+                return eagle_kernels.decoder_layers(
+                    residual, *stack, self.norm.eps, cos, sin, [c for kv in kv_caches for c in kv],
+                    meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q, meta.prefix_lens, meta.tree_mask,
+                    self.cfg.num_heads, capture)
             for i, layer in enumerate(self.layers):
                 if i in capture:  # layer i's input: a copy, since the residual keeps changing in place
                     captured.append(residual.clone() if delta is None else residual + delta)
                 delta = layer(delta, residual, cos, sin, kv_caches[i], meta)
         return self.norm(delta, residual), captured
 
+    def stack(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """Every layer's weights and linear formats for eagle_kernels.decoder_layers, or None where a layer
+        does not fit it (fp32 / fp16 weights) or `fused` is off. Built on first use, dropped by .to()."""
+        if not self.fused:
+            return None
+        if self._stack is None:
+            self._stack = _stack_of(self.layers, self.norm) or False
+        return self._stack or None
+
+    def _apply(self, fn, *args, **kwargs):
+        self._stack = None
+        return super()._apply(fn, *args, **kwargs)
+
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
         # feature: [N, H] -> fp32 logits [N, V]
         return self.lm_head(feature).float()
+
+
+def _stack_of(layers, final_norm: RMSNorm) -> tuple[list[torch.Tensor], list[int]] | None:
+    weights, formats = [], []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        fitted = [_fused_weight(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if None in fitted:
+            return None
+        (qkv, _), (o, _), (gate_up, _), (down, _) = fitted
+        weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
+        formats += [f for _, f in fitted]
+    return weights + [final_norm.weight], formats
+
+
+def _fused_weight(lin: nn.Module) -> tuple[torch.Tensor, int] | None:
+    """(weight, format) of a linear layer for decoder_layers; None for one it cannot run (fp32 / fp16, a bias)."""
+    if isinstance(lin, QLinear):
+        return lin.qweight, eagle_kernels.decoder.FORMATS[lin.qtype]
+    if lin.bias is None and lin.weight.dtype == torch.bfloat16 and lin.weight.is_contiguous():
+        return lin.weight, eagle_kernels.decoder.FORMATS["bf16"]
+    return None

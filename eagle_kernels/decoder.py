@@ -1,0 +1,80 @@
+"""A Llama decoder stack in one C++ call (csrc/cpu_decoder.cpp), for CPU steps of a few tokens a sequence.
+
+It runs, layer after layer, exactly the kernels a per-layer forward calls (rms_norm, linear_bf16 / linear_q,
+rope_write_kv, paged_attention, silu_and_mul) in the same order, so its output is bit-identical to that
+forward's; it saves the host time between them. Per layer, `weights` holds [input_norm, qkv, o, post_norm,
+gate_up, down] and `formats` the four linears' formats (FORMATS); the final norm comes last.
+"""
+import torch
+
+from . import _ops
+from ._ops import check_paged_attention_cpu, check_rms_norm, has_kernel, ops
+from .attention import _CPU_MAX_NEW_TOKENS
+from .quant import QTYPES, _check as check_quantized, out_features
+
+_CPU_OP = has_kernel("decoder_layers", torch.device("cpu"))
+FORMATS = {"bf16": 0, **{name: ggml for name, (ggml, _) in QTYPES.items()}}
+PER_LAYER = 6
+
+
+def decoder_layers_fit(hidden: torch.Tensor, max_new: int | None) -> bool:
+    """Whether decoder_layers serves this step: bf16 CPU activations, autograd off, at most 32 new tokens a
+    sequence (beyond that paged_attention hands prefills to SDPA, which the fused stack does not)."""
+    return (_CPU_OP and max_new is not None and max_new <= _CPU_MAX_NEW_TOKENS and hidden.dtype == torch.bfloat16
+            and hidden.device.type == "cpu" and not _ops._TRITON_ON_CPU and not torch.is_grad_enabled())
+
+
+def decoder_layers(hidden, weights, formats, eps, cos, sin, kv, slot_mapping, block_tables, cu_seqlens_q,
+                   prefix_lens, tree_mask, num_q_heads: int, capture=()):
+    """hidden: [T, H] bf16 embeddings (the residual stream: updated in place); cos, sin: fp32 [T, D];
+    kv: [k_cache, v_cache] per layer; metadata as paged_attention's. -> (the final norm's output [T, H],
+    the inputs of the layers in `capture`, in order)."""
+    if _ops.CHECKED:
+        check_decoder_layers(hidden, weights, formats, cos, sin, kv, slot_mapping, block_tables, cu_seqlens_q,
+                             prefix_lens, tree_mask, num_q_heads)
+    return ops().decoder_layers(hidden, weights, formats, eps, cos, sin, kv, slot_mapping, block_tables,
+                                cu_seqlens_q, prefix_lens, tree_mask, num_q_heads, list(capture))
+
+
+def check_decoder_layers(hidden, weights, formats, cos, sin, kv, slot_mapping, block_tables, cu_seqlens_q,
+                         prefix_lens, tree_mask, num_q_heads):
+    """ValueError unless the arguments form a stack decoder_layers can run (shapes chain from layer to layer)."""
+    if not (isinstance(hidden, torch.Tensor) and hidden.dtype == torch.bfloat16 and hidden.dim() == 2
+            and hidden.is_contiguous() and hidden.device.type == "cpu"):
+        raise ValueError("decoder_layers: hidden must be a contiguous bf16 CPU tensor [T, H]")
+    L = len(kv) // 2
+    if L < 1 or len(kv) != 2 * L or len(weights) != PER_LAYER * L + 1 or len(formats) != 4 * L:
+        raise ValueError(f"decoder_layers: kv must hold 2 caches per layer, weights {PER_LAYER} per layer and the "
+                         f"final norm, formats 4 per layer; got {len(kv)}, {len(weights)}, {len(formats)}")
+    if any(f not in FORMATS.values() for f in formats):
+        raise ValueError(f"decoder_layers: formats must be in {FORMATS}, got {sorted(set(formats))}")
+    T, H = hidden.shape
+    Hkv, D = kv[0].shape[2:]
+    I2 = _out_features(weights[4], formats[2], H)
+    widths = [(H, (num_q_heads + 2 * Hkv) * D), (num_q_heads * D, H), (H, I2), (I2 // 2, H)]
+    for i in range(L):
+        w, f = weights[PER_LAYER * i:PER_LAYER * (i + 1)], formats[4 * i:4 * (i + 1)]
+        for norm in (w[0], w[3]):
+            check_rms_norm(hidden, norm)
+        for name, weight, fmt, (K, N) in zip(("qkv", "o", "gate_up", "down"), (w[1], w[2], w[4], w[5]), f, widths):
+            if _out_features(weight, fmt, K) != N:
+                raise ValueError(f"decoder_layers: layer {i} {name} must map {K} -> {N} features")
+        q = hidden.new_empty(T, num_q_heads, D)
+        _ops.check_rope_write_kv(hidden.new_empty(T, widths[0][1]), cos, sin, kv[2 * i], kv[2 * i + 1],
+                                 slot_mapping, num_q_heads)
+        check_paged_attention_cpu(q, kv[2 * i], kv[2 * i + 1], block_tables, cu_seqlens_q, prefix_lens, tree_mask)
+    check_rms_norm(hidden, weights[-1])
+
+
+def _out_features(weight, fmt: int, K: int) -> int:
+    """N of a [N, K] weight in format `fmt` (ValueError if it is not one)."""
+    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
+        raise ValueError("decoder_layers: every weight must be a CPU tensor")
+    if fmt == FORMATS["bf16"]:
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] != K or not weight.is_contiguous():
+            raise ValueError(f"decoder_layers: a bf16 weight must be contiguous [N, {K}], got {weight.dtype} "
+                             f"{list(weight.shape)}")
+        return weight.shape[0]
+    name = next(n for n, (g, _) in QTYPES.items() if g == fmt)
+    check_quantized(weight, name, K)
+    return out_features(weight)

@@ -1,0 +1,161 @@
+"""eagle_kernels.decoder_layers (the decoder stack in one C++ call) against the model's per-layer forward, its
+reference: the same bits for features, captured layer inputs and KV caches, on random weights in every format,
+for decode steps, chains of several lengths and tree-masked steps over batches with different prefixes."""
+import pytest
+import torch
+
+import eagle_kernels
+from engine.llm import LLM
+from engine.model_runner import StepPlan
+from engine.scheduler import SamplingParams
+from tests.conftest import write_tiny_llama
+from tests.test_speculative_sampling import write_tokenizer
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("stack")
+    hf = write_tiny_llama(path, seed=11, vocab_size=VOCAB, num_hidden_layers=8)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8.0)  # peaked: drafts of a random head are accepted now and then
+    hf.save_pretrained(str(path), safe_serialization=True)
+    write_tokenizer(path, VOCAB)
+    return path
+
+
+def engine(path, weights):
+    return LLM(str(path), "bfloat16", device="cpu", kv_cache_gb=0.02, block_size=8, max_batch=4, weights=weights)
+
+
+def tree_rows(parents: list[int]) -> list[int]:
+    """Ancestor bitmasks (self included) of one sequence's new tokens, parents[i] < i or -1."""
+    rows = []
+    for i, p in enumerate(parents):
+        rows.append((rows[p] if p >= 0 else 0) | (1 << i))
+    return rows
+
+
+def both_ways(llm, seq_ids, counts, trees=None, capture=()):
+    """One step appending counts[b] random tokens to each sequence, run fused and per layer from the same
+    cache. -> [(feature, captured, kv)] for fused, per layer."""
+    runner, blocks, model = llm.runner, llm.scheduler.blocks, llm.model
+    starts = [blocks.length(s) for s in seq_ids]
+    for s, start, n in zip(seq_ids, starts, counts):
+        blocks.reserve(s, start + n)
+    plan = StepPlan([blocks.block_table(s) for s in seq_ids], starts, counts)
+    ids = torch.randint(3, VOCAB, (sum(counts),)).tolist()
+    mask = None
+    if trees is not None:
+        mask = torch.tensor([[r] for t in trees for r in tree_rows(t)], dtype=torch.int32)
+    meta, pos, ids = runner.meta(plan, ids=ids, tree_mask=mask)
+    if trees is not None:  # a node's position is its root's + its depth
+        depth = [d for t in trees for d in _depths(t)]
+        pos = torch.tensor([starts[b] for b, n in enumerate(counts) for _ in range(n)]) + torch.tensor(depth)
+    before = runner.kv.clone()
+    out = []
+    for fused in (True, False):
+        runner.kv.copy_(before)
+        model.fused = fused
+        assert (model.stack() is not None) == fused
+        with torch.inference_mode():
+            feature, captured = model(ids, pos, runner.layers, meta, capture)
+        out.append((feature, captured, runner.kv.clone()))
+    model.fused = True
+    return out
+
+
+def _depths(parents):
+    d = []
+    for p in parents:
+        d.append(0 if p < 0 else d[p] + 1)
+    return d
+
+
+@pytest.mark.parametrize("weights", ["bf16", "q4", "q8_0"])
+def test_decoder_layers_equals_the_per_layer_forward(checkpoint, weights):
+    torch.manual_seed(0)
+    llm = engine(checkpoint, weights)
+    blocks = llm.scheduler.blocks
+    seq_ids = [0, 1, 2]
+    for s, n in zip(seq_ids, (5, 19, 40)):  # prompts: the last one's prefill goes to SDPA, as in the engine
+        blocks.allocate(s, 0)
+        with torch.inference_mode():
+            llm.runner.forward(blocks, [s], [torch.randint(3, VOCAB, (n,)).tolist()])
+    steps = [dict(counts=[1, 1, 1]), dict(counts=[1, 4, 7], capture=(1, 4, 7)), dict(counts=[32, 2, 9]),
+             dict(counts=[6, 3, 5], trees=[[-1, 0, 0, 1, 1, 2], [-1, 0, 1], [-1, 0, 0, 0, 3]], capture=(0, 2, 5)),
+             dict(counts=[1, 1, 1], capture=(7,))]
+    for step in steps:
+        (f1, c1, kv1), (f2, c2, kv2) = both_ways(llm, seq_ids, **step)
+        assert f1.dtype == torch.bfloat16 and f1.shape == (sum(step["counts"]), 64)
+        assert f1.abs().sum() > 0 and torch.equal(f1, f2), step
+        assert len(c1) == len(step.get("capture", ())) and all(torch.equal(a, b) for a, b in zip(c1, c2)), step
+        assert torch.equal(kv1, kv2), step
+        llm.runner.kv.copy_(kv1)  # the step's tokens stay: the next step sees longer prefixes
+
+
+def test_the_engine_decodes_the_same_tokens_fused_or_not(checkpoint):
+    llm = engine(checkpoint, "q4")
+    prompts = [[1, 5, 9, 11, 4], [1, 7], [1, 3, 3, 3, 4, 5]]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    out = {}
+    for method, args in (("vanilla", None), ("eagle3", {"head": "random"})):
+        llm.set_method(method, args)
+        for fused in (True, False):
+            llm.model.fused = fused
+            out[method, fused] = [s.output_ids for s in llm.generate(prompts, params)[0]]
+    llm.model.fused = True
+    assert out["vanilla", True] == out["vanilla", False] == out["eagle3", True] == out["eagle3", False]
+
+
+def test_decoder_layers_fit_and_stack():
+    hidden = torch.zeros(3, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert eagle_kernels.decoder_layers_fit(hidden, 32)
+        assert not eagle_kernels.decoder_layers_fit(hidden, 33)       # prefills: SDPA attention
+        assert not eagle_kernels.decoder_layers_fit(hidden.float(), 1)
+        assert not eagle_kernels.decoder_layers_fit(hidden, None)
+    assert not eagle_kernels.decoder_layers_fit(hidden, 1)             # autograd on
+
+
+def test_fp32_models_keep_the_per_layer_forward(checkpoint):
+    llm = LLM(str(checkpoint), "float32", device="cpu", kv_cache_gb=0.02, block_size=8, weights="bf16")
+    assert llm.model.stack() is None
+
+
+def test_decoder_layers_bad_arguments(checkpoint):
+    llm = engine(checkpoint, "q4")
+    model, runner = llm.model, llm.runner
+    weights, formats = model.stack()
+    llm.scheduler.blocks.allocate(0, 0)
+    llm.scheduler.blocks.reserve(0, 2)
+    meta, pos, ids = runner.meta(StepPlan([llm.scheduler.blocks.block_table(0)], [0], [2]), ids=[4, 5])
+    hidden = torch.randn(2, 64).bfloat16()
+    cos, sin = model.rotary(pos, torch.float32)
+    kv = [c for pair in runner.layers for c in pair]
+    args = lambda **kw: {**dict(hidden=hidden.clone(), weights=weights, formats=formats, eps=1e-5, cos=cos, sin=sin,
+                                kv=kv, slot_mapping=meta.slot_mapping, block_tables=meta.block_tables,
+                                cu_seqlens_q=meta.cu_seqlens_q, prefix_lens=meta.prefix_lens, tree_mask=None,
+                                num_q_heads=4), **kw}
+    feature, _ = eagle_kernels.decoder_layers(**args())
+    assert feature.shape == (2, 64)
+    bad = [
+        (dict(hidden=hidden.float()), "hidden must be a contiguous bf16"),
+        (dict(weights=weights[:-1]), "6 per layer"),
+        (dict(formats=formats[:-1]), "formats 4 per layer"),
+        (dict(formats=[5] + formats[1:]), "formats must be in"),
+        (dict(weights=[weights[0], weights[2]] + weights[2:]), "qkv must map 64"),
+        (dict(weights=weights[:4] + [torch.zeros(256, 64, dtype=torch.bfloat16)] + weights[5:],
+              formats=formats[:2] + [0] + formats[3:]), None),   # a bf16 gate_up is fine
+        (dict(weights=weights[:5] + [weights[4]] + weights[6:]), "uint8"),
+        (dict(num_q_heads=3), "qkv must map 64"),
+        (dict(cos=cos[:1]), "cos and sin"),
+        (dict(prefix_lens=meta.prefix_lens + 1000), "spans 1002 tokens"),
+    ]
+    for change, message in bad:
+        if message is None:
+            eagle_kernels.decoder_layers(**args(**change))
+            continue
+        with pytest.raises(ValueError, match=message):
+            eagle_kernels.decoder_layers(**args(**change))
