@@ -380,12 +380,56 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
   return y;
 }
 
+// Rows `ids` of a quantized [V, K] table (a token's embedding) -> [T, K] in `dtype`: w = d * q (+ m), each an
+// fp32 product (and sum) rounded once to `dtype`, as eagle_kernels.quant.rows computes them.
+at::Tensor embedding_q(const at::Tensor& ids_in, const at::Tensor& w, int64_t qtype, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(qtype == kQ4_1 || qtype == kQ8_0, "embedding_q: qtype must be 3 (Q4_1) or 8 (Q8_0), got ", qtype);
+  TORCH_CHECK_VALUE(dtype == at::kBFloat16 || dtype == at::kFloat, "embedding_q: dtype must be bf16 or fp32");
+  const bool q4 = qtype == kQ4_1;
+  const int64_t bb = q4 ? group_block_bytes<true>() : group_block_bytes<false>();
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) % bb == 0 &&
+                        w.device().is_cpu(), "embedding_q: w must be a contiguous uint8 CPU [V / 16, nb * ", bb, "]");
+  TORCH_CHECK_VALUE(ids_in.dim() == 1 && ids_in.device().is_cpu(), "embedding_q: ids must be a CPU vector");
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t T = ids.size(0), nb = w.size(1) / bb, K = nb * kBlock, V = w.size(0) * kGroup;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK_VALUE(id[t] >= 0 && id[t] < V, "embedding_q: ids[", t, "] = ", id[t], " is outside [0, ", V, ")");
+  }
+  at::Tensor out = at::empty({T, K}, w.options().dtype(dtype));
+  std::vector<float> row(K);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t lane = id[t] % kGroup;
+    const uint8_t* group = w.data_ptr<uint8_t>() + (id[t] / kGroup) * w.size(1);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = group + b * bb;
+      const float d = half_to_float(reinterpret_cast<const uint16_t*>(blk)[lane]);
+      float* o = row.data() + b * kBlock;
+      if (q4) {
+        const float m = half_to_float(reinterpret_cast<const uint16_t*>(blk + 32)[lane]);
+        for (int k = 0; k < kBlock; ++k) {
+          const uint8_t byte = blk[64 + 64 * (k / 4 % 4) + 4 * lane + k % 4];
+          const float dq = d * static_cast<float>(k < 16 ? byte & 15 : byte >> 4);
+          o[k] = dq + m;
+        }
+      } else {
+        for (int k = 0; k < kBlock; ++k) o[k] = d * static_cast<float>(static_cast<int8_t>(blk[32 + 64 * (k / 4) + 4 * lane + k % 4]));
+      }
+    }
+    if (dtype == at::kFloat) std::copy(row.begin(), row.end(), out.data_ptr<float>() + t * K);
+    else std::copy(row.begin(), row.end(), out.data_ptr<at::BFloat16>() + t * K);
+  }
+  return out;
+}
+
 }  // namespace eagle::cpu
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("linear_q(Tensor x, Tensor w, int qtype) -> Tensor");
+  m.def("embedding_q(Tensor ids, Tensor w, int qtype, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {
   m.impl("linear_q", &eagle::cpu::linear_q);
+  m.impl("embedding_q", &eagle::cpu::embedding_q);
 }

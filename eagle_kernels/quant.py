@@ -20,6 +20,7 @@ QTYPES = {"q4_1": (3, 20), "q8_0": (8, 34)}
 
 _CPU_OP = has_kernel("linear_q", torch.device("cpu"))
 _OP = ops().linear_q if _CPU_OP else None
+_EMBEDDING_OP = has_kernel("embedding_q", torch.device("cpu"))
 
 
 def group_bytes(qtype: str, K: int) -> int:
@@ -66,9 +67,12 @@ def linear_q(x: torch.Tensor, data: torch.Tensor, qtype: str) -> torch.Tensor:
 
 
 def embedding_q(ids: torch.Tensor, data: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` of a quantized [V, K] table, dequantized -> [*ids.shape, K] in `dtype`."""
-    out = rows(data, qtype, ids.reshape(-1))
-    return out.to(dtype).reshape(*ids.shape, out.shape[-1])
+    """Rows `ids` of a quantized [V, K] table, dequantized -> [*ids.shape, K] in `dtype` (the values of `rows`)."""
+    if _EMBEDDING_OP and dtype in (torch.bfloat16, torch.float32) and data.device.type == "cpu":
+        out = ops().embedding_q(ids.reshape(-1), data, QTYPES[qtype][0], dtype)
+    else:
+        out = rows(data, qtype, ids.reshape(-1)).to(dtype)
+    return out.reshape(*ids.shape, out.shape[-1])
 
 
 # ----------------------------------------------------------------------------- layouts

@@ -21,7 +21,7 @@ import torch
 
 import eagle_kernels
 from .model_runner import ModelRunner, StepPlan
-from .sampler import Sampler
+from .sampler import Sampler, argmax
 from .scheduler import Sequence, cached_len
 from .trees import Tree
 
@@ -164,7 +164,7 @@ class SpeculativeDecoder(Decoder):
             zero = torch.zeros_like(nxt, dtype=torch.int32)
             return zero[:, None], zero, nxt
         args = (tree.parents, tree.tokens, tree.sizes)
-        path, length, nxt = eagle_kernels.tree_accept_greedy(*args, logits.argmax(-1))
+        path, length, nxt = eagle_kernels.tree_accept_greedy(*args, argmax(logits))
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             rows = self.runner.index(sampled)

@@ -21,6 +21,7 @@ from .loader import load_model
 from .model import Llama
 from .decoding import SpeculativeDecoder, Verdict, depth_caps
 from .model_runner import kv_layers
+from .sampler import argmax
 from .scheduler import Sequence, cached_len
 from .trees import Tree
 
@@ -97,7 +98,7 @@ class SpSDecoder(SpeculativeDecoder):
     def _propose(self, logits, seqs, sampled):
         """Greedy rows take the argmax; sampled rows draw from q, their sampling distribution. -> tokens [B]
         and q fp32 [B, V] (zero on greedy rows, which the greedy verifier never reads; None if all greedy)."""
-        tokens = logits.argmax(-1)
+        tokens = argmax(logits)
         if not sampled:
             return tokens, None
         rows = self.runner.index(sampled)

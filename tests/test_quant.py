@@ -119,6 +119,11 @@ def test_embedding_q_rows(qtype):
     rows = eagle_kernels.embedding_q(ids, data, qtype, torch.bfloat16)
     assert rows.shape == (3, 2, 128) and rows.dtype == torch.bfloat16
     assert torch.equal(rows, quant.dequantize(data, qtype)[ids].bfloat16())
+    ids = torch.randint(0, 48, (40,), generator=gen)
+    for dtype in (torch.bfloat16, torch.float32):  # the C++ op against the torch path it replaces
+        assert torch.equal(eagle_kernels.embedding_q(ids, data, qtype, dtype), quant.rows(data, qtype, ids).to(dtype))
+    with pytest.raises(ValueError, match="outside"):
+        eagle_kernels.embedding_q(torch.tensor([48]), data, qtype, torch.bfloat16)
 
 
 def test_linear_q_bad_arguments():
