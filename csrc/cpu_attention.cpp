@@ -23,7 +23,10 @@
 
 namespace {
 
+using eagle::cpu::dup8;
 using eagle::cpu::has_avx2;
+using eagle::cpu::high8;
+using eagle::cpu::join8;
 
 struct Layout {
   int64_t T, Hq, Hkv, D, G, block_size, max_blocks, mask_words;
@@ -86,10 +89,31 @@ void attend_scalar(const float* q, const T* kc, const T* vc, const std::vector<i
 }
 
 #if defined(__x86_64__)
+// The maximum of s[0, count), count >= 1 (any order gives the same value).
+EAGLE_AVX2 inline float max_avx2(const float* s, int64_t count) {
+  __m256 m = _mm256_set1_ps(s[0]);
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float best = *std::max_element(lanes, lanes + 8);
+  for (; j < count; ++j) best = std::max(best, s[j]);
+  return best;
+}
+
+// Whole 8-key chunks of sum_lanes into lanes; -> the keys done.
+EAGLE_AVX2 inline int64_t sum8_avx2(const float* p, int64_t count, float* lanes) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(p + j));
+  _mm256_storeu_ps(lanes, acc);
+  return j;
+}
+
 EAGLE_AVX2 void softmax_rows_avx2(float* scores, int64_t G, int64_t count) {
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * count;
-    const float m = *std::max_element(s, s + count);
+    const float m = max_avx2(s, count);
     const __m256 mv = _mm256_set1_ps(m);
     int64_t j = 0;
     for (; j + 8 <= count; j += 8) _mm256_storeu_ps(s + j, eagle::cpu::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
@@ -165,6 +189,80 @@ EAGLE_AVX2 inline void accumulate_values(const float* p, int64_t stride, int64_t
 // the cache directly.
 constexpr int64_t kWidenRows = 3;
 
+// AVX-512 on widened key blocks, each lane doing exactly what its AVX2 lane does (the same bits): a zmm holds
+// the 8-lane chains of two keys (scores) or of two rows (values).
+// Keys of a block in pairs, pair-major: pair p, chunk i -> 16 floats, key 2p's d = 8i .. 8i + 7, then key 2p + 1's.
+template <typename T>
+EAGLE_AVX512 inline void widen_key_pairs(const T* cache, const int64_t* rows, int64_t n, int DV, float* out) {
+  for (int64_t j = 0; j < n; j += 2) {
+    const T* a = cache + rows[j];
+    const T* b = j + 1 < n ? cache + rows[j + 1] : a;
+    for (int i = 0; i < DV; ++i) {
+      const __m256 lo = eagle::cpu::load8(a + 8 * i), hi = eagle::cpu::load8(b + 8 * i);
+      _mm512_storeu_ps(out + (j / 2 * DV + i) * 16, join8(lo, hi));
+    }
+  }
+}
+
+// hsum8 of each 256-bit half, in hsum8's order: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)).
+EAGLE_AVX512 inline void hsum8_pair(__m512 v, float* lo, float* hi) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(0, 0, 0, 1)));
+  alignas(64) float out[16];
+  _mm512_store_ps(out, v);
+  *lo = out[0];
+  *hi = out[8];
+}
+
+template <int DV>
+EAGLE_AVX512 void score_key_pairs(const float* q, int64_t R, int64_t nk, const float* pairs, float* scores,
+                                  int64_t stride) {
+  for (int64_t r = 0; r < R; ++r) {
+    __m512 qv[DV];
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i) qv[i] = dup8(q + r * 8 * DV + 8 * i);
+    float* out = scores + r * stride;
+    for (int64_t j = 0; j < nk; j += 2) {
+      const float* k = pairs + j / 2 * DV * 16;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+#pragma GCC unroll 16
+      for (int i = 0; i < DV; i += 2) {
+        a0 = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), a0);
+        if (i + 1 < DV) a1 = _mm512_fmadd_ps(qv[i + 1], _mm512_loadu_ps(k + 16 * i + 16), a1);
+      }
+      float second;
+      hsum8_pair(_mm512_add_ps(a0, a1), out + j, &second);
+      if (j + 1 < nk) out[j + 1] = second;
+    }
+  }
+}
+
+// acc[r] += sum_j p[r, j] v_j, two rows per zmm; v: widened rows [nk, 8 * DV]. An odd last row goes alone.
+template <int DV>
+EAGLE_AVX512 void accumulate_value_pairs(const float* p, int64_t stride, int64_t R, int64_t nk, const float* v,
+                                         float* acc) {
+  constexpr int D = 8 * DV;
+  int64_t r = 0;
+  for (; r + 2 <= R; r += 2) {
+    __m512 av[DV];
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i)
+      av[i] = join8(_mm256_loadu_ps(acc + r * D + 8 * i), _mm256_loadu_ps(acc + (r + 1) * D + 8 * i));
+    for (int64_t j = 0; j < nk; ++j) {
+      const __m512 pj = join8(_mm256_set1_ps(p[r * stride + j]), _mm256_set1_ps(p[(r + 1) * stride + j]));
+#pragma GCC unroll 16
+      for (int i = 0; i < DV; ++i) av[i] = _mm512_fmadd_ps(pj, dup8(v + j * D + 8 * i), av[i]);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i) {
+      _mm256_storeu_ps(acc + r * D + 8 * i, _mm512_castps512_ps256(av[i]));
+      _mm256_storeu_ps(acc + (r + 1) * D + 8 * i, high8(av[i]));
+    }
+  }
+  if (r < R) accumulate_values<DV>(p + r * stride, stride, 1, nk, [&](int64_t j) { return v + j * D; }, acc + r * D);
+}
+
 // q: fp32 [R, D] scaled; scores: [R, stride]; acc: fp32 [R, D] zeroed; buf: fp32 [kKeyBlock, D].
 template <typename T, int DV>
 EAGLE_AVX2 void attend_group_avx2(const float* q, int64_t R, const T* kc, const T* vc,
@@ -173,10 +271,13 @@ EAGLE_AVX2 void attend_group_avx2(const float* q, int64_t R, const T* kc, const 
   constexpr int D = 8 * DV;
   const int64_t P = prefix_rows.size();
   const int64_t* pr = prefix_rows.data();
-  const bool widen = R >= kWidenRows;
+  const bool widen = R >= kWidenRows, z = widen && eagle::cpu::use_avx512();
   for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, P - j0);
-    if (widen) {
+    if (z) {
+      widen_key_pairs(kc, pr + j0, nk, DV, buf);
+      score_key_pairs<DV>(q, R, nk, buf, scores + j0, stride);
+    } else if (widen) {
       widen_rows(kc, pr + j0, nk, D, buf);
       score_keys<DV>(q, R, nk, [&](int64_t j) { return buf + j * D; }, scores + j0, stride);
     } else {
@@ -191,7 +292,10 @@ EAGLE_AVX2 void attend_group_avx2(const float* q, int64_t R, const T* kc, const 
   }
   for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, P - j0);
-    if (widen) {
+    if (z) {
+      widen_rows(vc, pr + j0, nk, D, buf);
+      accumulate_value_pairs<DV>(scores + j0, stride, R, nk, buf, acc);
+    } else if (widen) {
       widen_rows(vc, pr + j0, nk, D, buf);
       accumulate_values<DV>(scores + j0, stride, R, nk, [&](int64_t j) { return buf + j * D; }, acc);
     } else {
@@ -206,12 +310,23 @@ EAGLE_AVX2 void attend_group_avx2(const float* q, int64_t R, const T* kc, const 
 }
 #endif
 
+// sum_j p[j] as 8 lanes (lane l adds j = l, l + 8, ... in order), then hsum8's order: one fixed chain that
+// SIMD and scalar code compute alike, without a serial add per key.
+float sum_lanes(const float* p, int64_t count) {
+  int64_t j = 0;
+  float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#if defined(__x86_64__)
+  if (has_avx2()) j = sum8_avx2(p, count, lanes);
+#endif
+  for (; j < count; ++j) lanes[j % 8] += p[j];
+  return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+}
+
 // Per-row normalisation and the store, shared by both paths: out = acc / sum(p) (a row that sees nothing
 // gets zeros).
 template <typename T>
 void store_row(const float* acc, const float* p, int64_t count, int64_t D, T* out) {
-  float sum = 0.f;
-  for (int64_t j = 0; j < count; ++j) sum += p[j];
+  const float sum = sum_lanes(p, count);
   const float inv = count ? 1.f / sum : 0.f;
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(acc[d] * inv);
 }

@@ -457,17 +457,7 @@ void blocked(const T* x, const c10::BFloat16* w, int64_t M, int64_t K, int64_t N
 }
 #endif
 
-bool use_avx512() {
-#if defined(__x86_64__)
-  static const bool ok = [] {
-    const char* env = std::getenv("EAGLE_CPU_AVX512");
-    return eagle::cpu::has_avx512() && !(env && env[0] == '0' && env[1] == 0);
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
+using eagle::cpu::use_avx512;
 
 }  // namespace
 

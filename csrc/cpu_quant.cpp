@@ -61,14 +61,10 @@ QuantX& scratch() {
   return x;
 }
 
-bool use_avx512() {
+bool use_avx512() {  // the VNNI kernels
 #if defined(__x86_64__)
-  static const bool ok = [] {
-    const char* env = std::getenv("EAGLE_CPU_AVX512");
-    const bool off = env && env[0] == '0' && env[1] == 0;
-    return !off && eagle::cpu::has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  }();
+  static const bool ok = eagle::cpu::use_avx512() && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   return ok;
 #else
   return false;

@@ -7,12 +7,13 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define EAGLE_AVX2 __attribute__((target("avx2,fma,f16c")))
-// AVX-512 foundation on top of EAGLE_AVX2; picked at run time with has_avx512().
+// AVX-512 foundation on top of EAGLE_AVX2; picked at run time with use_avx512().
 #define EAGLE_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 #endif
 
@@ -35,6 +36,15 @@ inline bool has_avx512() {
 #else
   return false;
 #endif
+}
+
+// AVX-512 kernels, unless EAGLE_CPU_AVX512=0 asks for the AVX2 ones (same results; for tests and timings).
+inline bool use_avx512() {
+  static const bool ok = [] {
+    const char* env = std::getenv("EAGLE_CPU_AVX512");
+    return has_avx512() && !(env && env[0] == '0' && env[1] == 0);
+  }();
+  return ok;
 }
 
 #if defined(__x86_64__)
@@ -90,6 +100,17 @@ EAGLE_AVX2 inline void store8(c10::BFloat16* p, __m256 v) {
 }
 EAGLE_AVX2 inline void store8(c10::Half* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// 256-bit halves of a zmm with AVX512F alone (the f32x8 forms need AVX512DQ).
+EAGLE_AVX512 inline __m512 join8(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+EAGLE_AVX512 inline __m256 high8(__m512 v) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+EAGLE_AVX512 inline __m512 dup8(const float* p) {  // p[0..7] into both halves
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
 }
 
 EAGLE_AVX2 inline float hsum8(__m256 v) {

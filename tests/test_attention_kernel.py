@@ -277,3 +277,37 @@ def test_cpp_kernel_chain_rows_equal_decode_bitwise(heads, tree, dtype):
         alone = attention.ops().paged_attention(q[i:i + 1], k_cache, v_cache, tables, one,
                                                 torch.tensor([prefix + i], dtype=torch.int32))
         assert torch.equal(alone, chain[i:i + 1]), f"token {i}"
+
+
+_AVX2_SCRIPT = """
+import sys, torch
+sys.path.insert(0, "tests")
+from test_attention_kernel import make_batch
+from eagle_kernels._ops import ops
+torch.set_num_threads(int(sys.argv[2]))
+outs = []
+for i, (scenario, heads, dtype) in enumerate([(([37, 301], [1, 4]), (9, 3, 64), torch.bfloat16),
+                                              (([0, 16, 77], [1, 5, 17]), (8, 2, 128), torch.bfloat16),
+                                              (([129], [7]), (9, 3, 64), torch.float32),
+                                              (([15, 70, 3], [1, 1, 1]), (6, 3, 64), torch.float16)]):
+    for tree in (False, True):
+        outs.append(ops().paged_attention(*make_batch(*scenario, *heads, dtype, tree, seed=i)))
+torch.save(outs, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpp_kernel_avx2_and_avx512_give_the_same_bits(tmp_path, threads):
+    """EAGLE_CPU_AVX512=0 (AVX2 only, as on older CPUs) computes what the default path does, bit for bit, with
+    odd key and row counts (the AVX-512 code pairs keys and rows)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root))
+    outs = []
+    for flag in ("1", "0"):
+        subprocess.run([sys.executable, "-c", _AVX2_SCRIPT, str(tmp_path / flag), str(threads)], check=True, cwd=root,
+                       env={**env, "EAGLE_CPU_AVX512": flag})
+        outs.append(torch.load(tmp_path / flag))
+    assert len(outs[0]) == 8 and all(torch.equal(a, b) for a, b in zip(*outs))
