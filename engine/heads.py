@@ -118,7 +118,8 @@ class DraftHead(nn.Module):
         return self.project(self.raw_feature(feature, captured))
 
     def raw_feature(self, feature: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
-        """The target features `project` reads, one row per token: [.., R]."""
+        """The target features `project` reads, one row per token: a new tensor [.., R] (the target's
+        outputs may live in buffers the next step overwrites)."""
         raise NotImplementedError
 
     def project(self, raw: torch.Tensor) -> torch.Tensor:
@@ -177,7 +178,7 @@ class Eagle1Head(DraftHead):
         return self._target[1](out).float()
 
     def raw_feature(self, feature, captured):
-        return feature
+        return feature.clone()
 
     def project(self, raw):
         return raw

@@ -184,9 +184,10 @@ class EagleDecoder(SpeculativeDecoder):
 
     def catch_up(self, seqs: list[Sequence], v: Verdict):
         N = v.feature.shape[1]
-        rows = [b * N + i for b, path in enumerate(v.paths) for i in path]
-        raw = self.head.raw_feature(v.feature, v.captured).flatten(0, 1).index_select(0, self.runner.index(rows))
-        self.last_pairs = len(rows)
+        raw = self.head.raw_feature(v.feature, v.captured).flatten(0, 1)                    # [B * N, R]
+        if N > 1:  # the accepted paths' rows
+            raw = raw.index_select(0, self.runner.index([b * N + i for b, path in enumerate(v.paths) for i in path]))
+        self.last_pairs = raw.shape[0]
         end = 0
         for s, new in zip(seqs, v.new_tokens):
             self.pending.setdefault(s.seq_id, []).append((raw[end:end + len(new)], new))
