@@ -125,6 +125,17 @@ def test_forward_shapes():
     assert torch.equal(e1.to_target(draft_ids), draft_ids)
 
 
+def test_projection_is_row_wise():
+    """EagleDecoder keeps raw features and projects them later, many rounds' rows in one matmul."""
+    target = tiny_target()
+    for head in (make_head("eagle", target), make_head("eagle3", target)):
+        feature, captured = torch.randn(7, 32), [torch.randn(7, 32) for _ in head.capture]
+        raw = [head.raw_feature(feature[i:i + 1], [c[i:i + 1] for c in captured]) for i in range(7)]
+        rows = torch.cat([head.project(r) for r in raw])
+        torch.testing.assert_close(head.project(torch.cat(raw)), rows)
+        torch.testing.assert_close(head.target_feature(feature, captured), rows)
+
+
 def test_shape_mismatch_is_a_clear_error(tmp_path):
     head = make_head("eagle3", tiny_target(), draft_vocab_size=20)
     head.save(tmp_path / "h")
