@@ -8,9 +8,10 @@ Prompts: held-out ShareGPT first user turns (train.data, never trained on) throu
 most --max-prompt-tokens long, repeated to fill the batch. At concurrency B every method serves the same
 max(B, --requests) requests, B at a time. Greedy; natural stops; tokens/s = new tokens / wall time of the
 generate calls, prefill included. One model load; methods alternate batch by batch (their order rotating
-from repeat to repeat) so that load drift on a shared machine hits them alike; `llm.set_method` builds
-each run's decoder afresh, so `auto` starts every run with an empty policy. Medians over repeats; the
-ratio is auto / max(vanilla, eagle3), and auto's depth histogram counts its rounds per drafted depth.
+from repeat to repeat) so that load drift on a shared machine hits them alike; `llm.set_method` builds each
+run's decoder afresh, but `auto` keeps its policy (its measurements per batch bucket) from run to run, as a
+server does. Medians over repeats; the ratio is auto / max(vanilla, eagle3), and auto's depth histogram
+counts its rounds per drafted depth.
 """
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ class Decoder:
     """What vanilla and speculative decoders share: the runner, the sampler, the scheduler's block tables."""
     lookahead = 1  # cache positions a step may write past the cached tokens
     depth = 0      # levels the last round drafted (0: a plain decode step)
+    capture = ()   # target layers whose inputs a step returns (a speculative method's catch-up reads them)
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, blocks):
         self.runner, self.sampler, self.blocks = runner, sampler, blocks
@@ -53,6 +54,19 @@ class Decoder:
         first = self.sampler(self.model.logits(feature.index_select(0, last)), seqs)
         return first.tolist(), feature, captured, cu
 
+    def decode(self, seqs: list[Sequence]):
+        """One target forward over each sequence's last token. -> (next tokens, feature [B, H], captured)."""
+        B = len(seqs)
+        Bp = self.runner.batch_rows(B)
+        plan = self.plan(seqs, [cached_len(s) for s in seqs], [1] * B).padded(Bp)
+        g = self.runner.graph(self.graphs, ("decode", Bp), plan, self._decode, {}, host_ids=True)
+        logits, feature, captured = g.run(plan, host_ids=[s.all_ids[-1] for s in seqs])
+        return self.sampler(logits[:B], seqs).tolist(), feature[:B], [c[:B] for c in captured]
+
+    def _decode(self, g):
+        feature, captured = self.model(g.ids, g.positions, self.runner.layers, g.meta, self.capture)
+        return self.model.logits(feature), feature, captured
+
     def release(self, seq_ids: list[int]):
         """Forget retired sequences' per-sequence state."""
 
@@ -67,16 +81,7 @@ class VanillaDecoder(Decoder):
         return [[t] for t in self.prefill_target(seqs)[0]]
 
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
-        B = len(seqs)
-        plan = self.plan(seqs, [cached_len(s) for s in seqs], [1] * B)
-        Bp = self.runner.batch_rows(B)
-        g = self.runner.graph(self.graphs, ("decode", Bp), plan.padded(Bp), self._decode, {}, host_ids=True)
-        logits = g.run(plan.padded(Bp), host_ids=[s.all_ids[-1] for s in seqs])       # [Bp, V]
-        return [[t] for t in self.sampler(logits[:B], seqs).tolist()]
-
-    def _decode(self, g):
-        feature, _ = self.model(g.ids, g.positions, self.runner.layers, g.meta)
-        return self.model.logits(feature)
+        return [[t] for t in self.decode(seqs)[0]]
 
 
 @dataclass
@@ -88,15 +93,21 @@ class Verdict:
     paths: list[list[int]]         # accepted node indices, root first (lengths[b] + 1 of them)
     new_tokens: list[list[int]]    # accepted drafts + the bonus / corrected token
 
+    @classmethod
+    def decoded(cls, tokens: list[int], feature: torch.Tensor, captured: list[torch.Tensor]) -> "Verdict":
+        """A plain decode step's (Decoder.decode) as a verdict: only the root, and its next token."""
+        B = len(tokens)
+        return cls(feature[:, None], [c[:, None] for c in captured], [0] * B, [[0]] * B, [[t] for t in tokens])
+
 
 class SpeculativeDecoder(Decoder):
     """The draft -> verify -> catch up round; a method implements `draft` and `catch_up`.
 
     `draft(seqs) -> (Tree, draft_probs or None)`: trees rooted at each sequence's last token, on the
-    device, with draft_probs fp32 [B, N, V] for chains sampled from a draft distribution.
+    device, with draft_probs fp32 [B, N, V] for chains sampled from a draft distribution; no tree (None)
+    when nothing was drafted, and the round is a plain decode step.
     `catch_up(seqs, verdict)`: bring the draft's own state up to the accepted tokens."""
     causal = False    # drafts are chains: causal masking is the ancestor mask
-    capture = ()      # target layers whose inputs catch-up needs
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, blocks, timing: bool = False):
         super().__init__(runner, sampler, blocks)
@@ -106,10 +117,10 @@ class SpeculativeDecoder(Decoder):
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
         with self.timer("draft_s"):
             tree, draft_probs = self.draft(seqs)
-        self.depth = self.drafted_depth(tree)
+        self.depth = 0 if tree is None else self.drafted_depth(tree)
         with self.timer("verify_s"):
-            out = self.verify(seqs, tree, draft_probs)
-        verdict = self.read(out)
+            out = self.decode(seqs) if tree is None else self.verify(seqs, tree, draft_probs)
+        verdict = Verdict.decoded(*out) if tree is None else self.read(out)
         with self.timer("draft_s"):
             self.catch_up(seqs, verdict)
         self._stats.record(verdict.lengths, self.depth)
@@ -132,14 +143,12 @@ class SpeculativeDecoder(Decoder):
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [N] * B)
         Bp = self.runner.batch_rows(B)
         W = (N + 31) // 32
-        causal = self.causal or N == 1  # a lone root needs no tree mask: a plain decode step
         inputs = {"ids": ((Bp, N), torch.int64), "depths": ((Bp, N), torch.int32)}
-        if not causal:
+        if not self.causal:
             inputs["tree_mask"] = ((Bp * N, W), torch.int32)
-        g = self.runner.graph(self.graphs, ("verify", Bp, N, causal, self.capture), plan.padded(Bp), self._verify_fn,
-                              inputs)
+        g = self.runner.graph(self.graphs, ("verify", Bp, N), plan.padded(Bp), self._verify_fn, inputs)
         given = {"ids": tree.tokens, "depths": tree.depths}
-        if not causal:
+        if not self.causal:
             given["tree_mask"] = tree.mask()
         logits, feature, captured = g.run(plan.padded(Bp), **given)
         logits = logits.view(Bp, N, -1)[:B]                                              # [B, N, V]
@@ -159,10 +168,6 @@ class SpeculativeDecoder(Decoder):
     def accept(self, seqs, tree: Tree, logits, draft_probs):
         """Greedy rows accept while the draft equals the target's argmax; sampled rows by tree rejection
         sampling. -> accept_path int32 [B, N], accept_len int32 [B], next_token int64 [B]."""
-        if tree.num_nodes == 1:  # nothing drafted: a plain decode step
-            nxt = self.sampler(logits[:, 0], seqs)
-            zero = torch.zeros_like(nxt, dtype=torch.int32)
-            return zero[:, None], zero, nxt
         args = (tree.parents, tree.tokens, tree.sizes)
         path, length, nxt = eagle_kernels.tree_accept_greedy(*args, argmax(logits))
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
@@ -179,8 +184,6 @@ class SpeculativeDecoder(Decoder):
     def keep_path(self, slots: torch.Tensor, path: torch.Tensor):
         """Copy the KV of accepted node path[b, j] (at slots[b, path[b, j]]) to slots[b, j], every layer at
         once; rejected positions copy onto themselves. slots: int32 [B, N]; path: int32 [B, N], -1 padded."""
-        if path.shape[1] == 1:  # the root alone is already in place
-            return
         src = torch.where(path >= 0, slots.gather(1, path.clamp(min=0).long()), slots).flatten().long()
         kv = self.runner.kv.flatten(0, 1).flatten(1, 2)                     # [layers * 2, slots, Hkv, D]
         kv.index_copy_(1, slots.flatten().long(), kv.index_select(1, src))

@@ -6,6 +6,7 @@ Both heads are one decoder layer that reads, for a draft position t, the pair (h
 the token is embedded with the target's (frozen) embedding. Protocol shared by both heads:
 
     hidden = head.target_feature(feature, captured)        # target features -> the head's input width H
+                                                            # = head.project(head.raw_feature(..)), row-wise
     out = head(ids, hidden, positions, kv_cache, meta)      # inference: one layer over the head's paged cache
     logits = head.logits(out)                               # fp32 over the draft vocabulary
     target_ids = head.to_target(draft_ids)                  # identity for EAGLE-1
@@ -73,7 +74,7 @@ class HeadLayer(nn.Module):
 
 
 class DraftHead(nn.Module):
-    """What EAGLE-1 and EAGLE-3 share; subclasses define `_layer_input`, `logits`, `target_feature`."""
+    """What EAGLE-1 and EAGLE-3 share; subclasses define `_layer_input`, `logits`, `raw_feature`, `project`."""
     kind: str
     layer: HeadLayer
 
@@ -114,6 +115,15 @@ class DraftHead(nn.Module):
         raise NotImplementedError
 
     def target_feature(self, feature: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
+        return self.project(self.raw_feature(feature, captured))
+
+    def raw_feature(self, feature: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
+        """The target features `project` reads, one row per token: a new tensor [.., R] (the target's
+        outputs may live in buffers the next step overwrites)."""
+        raise NotImplementedError
+
+    def project(self, raw: torch.Tensor) -> torch.Tensor:
+        """raw_feature rows -> the head's input width H, row by row."""
         raise NotImplementedError
 
     def save(self, path: str | Path):
@@ -167,8 +177,11 @@ class Eagle1Head(DraftHead):
     def logits(self, out):
         return self._target[1](out).float()
 
-    def target_feature(self, feature, captured):
-        return feature
+    def raw_feature(self, feature, captured):
+        return feature.clone()
+
+    def project(self, raw):
+        return raw
 
     def config_dict(self):
         return {**super().config_dict(), "bias": self.fc.bias is not None}
@@ -213,9 +226,12 @@ class Eagle3Head(DraftHead):
     def logits(self, out):
         return self.lm_head(self.norm(out)).float()
 
-    def target_feature(self, feature, captured):
-        # captured: the inputs of target layers (low, mid, high), each [T, H]
-        return self.fc(torch.cat(captured, dim=-1))
+    def raw_feature(self, feature, captured):
+        # captured: the inputs of target layers (low, mid, high), each [.., H]
+        return torch.cat(captured, dim=-1)
+
+    def project(self, raw):
+        return self.fc(raw)
 
     def config_dict(self):
         return {**super().config_dict(), "draft_vocab_size": self.lm_head.out_features}

@@ -72,10 +72,12 @@ class LLM:
             eos.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(num_blocks, block_size, max_batch, self.cfg.max_position, tuple(eos))
         self.timing = timing
+        self.policies = {}  # adaptive policies (engine/adaptive.py) by method arguments, kept across set_method
         self.set_method(method, method_args)
 
     def set_method(self, method: str, method_args: dict | None = None):
-        """Switch the decoding method (the scheduler must be idle)."""
+        """Switch the decoding method (the scheduler must be idle). An adaptive policy's measurements carry over
+        to the next decoder with the same head and tree."""
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         self.method_args = method_args or {}

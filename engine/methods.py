@@ -42,8 +42,9 @@ def make_eagle(llm, kind: str, adaptive: bool = False) -> Decoder:
     if shape == "dynamic":
         d, k, m = defaults(llm.runner.device).tree
         tree = DynamicTree(args.get("depth", d), args.get("topk", k), args.get("tree_tokens", m))
-        if args.get("adaptive", adaptive):
-            policy = SpeculationPolicy(EagleDecoder.verify_tokens(tree))
+        if args.get("adaptive", adaptive):  # one per head and tree: its measurements outlive the decoder
+            policy = llm.policies.setdefault((kind, repr(sorted(args.items()))),
+                                             SpeculationPolicy(EagleDecoder.verify_tokens(tree)))
     elif shape == "static":
         check_args(f"{kind} --tree static", args, {"head", "tree"})
         tree = StaticTree()

@@ -2,18 +2,19 @@
 the target verifies the whole tree in one forward.
 
 The head reads pairs: pair t = (hidden_t, token_{t+1}) sits at position t. The head is fed lazily: prefill
-and every round leave their pairs (target feature, next token) in `pending[seq]`, and a round that drafts
-feeds them first, in one head forward. After that the head's cache holds the pairs t < L (L = the target's
-cached tokens; pair L - 1 is the root pair, its token the root) and `root[seq]` keeps that pair's input
-hidden and the head's output there. A round that drafts nothing (an adaptive policy's depth 0) thus costs
-a plain decode step, and a request served without drafts to its end never runs the head. A round:
+and every round leave their pairs (the target's raw features at t, token t + 1) in `pending[seq]`, and a
+round that drafts feeds them first: one projection to the head's input width, one head forward. After that
+the head's cache holds the pairs t < L (L = the target's cached tokens; pair L - 1 is the root pair, its
+token the root) and `root[seq]` keeps that pair's input hidden and the head's output there. A round that
+drafts nothing (an adaptive policy's depth 0) is a plain decode step that keeps the target's features, and
+a request served without drafts to its end never runs the head. A round:
 1. draft: feed the pending pairs; the root's output gives the depth-1 candidates; forward d (d = 2 .. depth)
    feeds the drafted history - the root pair again and every frontier expanded so far, with its ancestor
    mask - and expands the newest frontier (trees.py policies). Drafts are re-fed, not cached: paged
    attention lets new tokens see every cached token, so a cached draft would be visible to its cousins.
 2. verify (decoding.SpeculativeDecoder.verify): root + tree in one target forward, lossless acceptance.
-3. catch up: the pairs (target feature at t, token t + 1) of the accepted path and the bonus token join
-   `pending`; the last of them is the next root pair.
+3. catch up: the pairs of the accepted path and the bonus token join `pending`; the last of them is the
+   next root pair.
 
 With a policy (engine/adaptive.py) each round drafts the depth it picks for the batch, 0 .. the tree's
 depth; the verified tokens shrink with it (the tree's budget, capped by what d levels hold).
@@ -76,7 +77,7 @@ class EagleDecoder(SpeculativeDecoder):
         self.kv = runner.new_cache(1, head.cfg.num_kv_heads, head.cfg.head_dim)
         self.head_layers = kv_layers(self.kv)
         self.root: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # seq_id -> root pair's (hidden, output) [H]
-        self.pending: dict[int, list[tuple[torch.Tensor, list[int]]]] = {}  # seq_id -> unfed (hidden [n, H], tokens)
+        self.pending: dict[int, list[tuple[torch.Tensor, list[int]]]] = {}  # seq_id -> unfed (raw [n, R], tokens)
         self.caps: list[int] = []  # this round's depth caps per sequence
         self.last_pairs, self.backlog_s = 0, 0.0  # pairs the last round left; feeding time not charged to a round
         fed = sum(tree.frontier_sizes())
@@ -97,9 +98,9 @@ class EagleDecoder(SpeculativeDecoder):
 
     def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
         first, feature, captured, cu = self.prefill_target(seqs, self.capture)
-        hidden = self.head.target_feature(feature, captured)                               # [T, H]
+        raw = self.head.raw_feature(feature, captured)                                     # [T, R]
         for b, (s, f) in enumerate(zip(seqs, first)):
-            self.pending[s.seq_id] = [(hidden[cu[b]:cu[b + 1]], s.prompt_ids[1:] + [f])]
+            self.pending[s.seq_id] = [(raw[cu[b]:cu[b + 1]], s.prompt_ids[1:] + [f])]
         return [[t] for t in first]
 
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
@@ -122,10 +123,10 @@ class EagleDecoder(SpeculativeDecoder):
         self.caps = depth_caps(seqs, self.model.cfg.max_position)
         want = tree_policy.depth if self.policy is None else self.policy.choose(B)
         self.depth = min(want, max(self.caps))
-        tree = Tree.roots(runner.to_device([s.all_ids[-1] for s in seqs]))
         if self.depth == 0:
-            return tree, None
+            return None, None
         self._feed_pending(seqs)
+        tree = Tree.roots(runner.to_device([s.all_ids[-1] for s in seqs]))
         root_hidden = torch.stack([self.root[s.seq_id][0] for s in seqs])                  # [B, H]
         out = torch.stack([self.root[s.seq_id][1] for s in seqs])[:, None]                  # [B, 1, H]
         front = torch.zeros(B, 1, dtype=torch.int64, device=out.device)                     # node ids
@@ -151,7 +152,7 @@ class EagleDecoder(SpeculativeDecoder):
         t0 = time.perf_counter()
         parts = [self.pending.pop(s.seq_id) for s in todo]
         counts = [sum(len(t) for _, t in p) for p in parts]
-        hidden = torch.cat([h for p in parts for h, _ in p])                                # [T, H]
+        hidden = self.head.project(torch.cat([r for p in parts for r, _ in p]))             # [T, H]
         tokens = [t for p in parts for _, ts in p for t in ts]
         meta, pos, ids = self.runner.meta(self.plan(todo, [cached_len(s) - n for s, n in zip(todo, counts)], counts),
                                           ids=tokens)
@@ -183,12 +184,11 @@ class EagleDecoder(SpeculativeDecoder):
 
     def catch_up(self, seqs: list[Sequence], v: Verdict):
         N = v.feature.shape[1]
-        rows = [b * N + i for b, path in enumerate(v.paths) for i in path]
-        index = self.runner.index(rows)
-        hidden = self.head.target_feature(v.feature.flatten(0, 1).index_select(0, index),
-                                          [c.flatten(0, 1).index_select(0, index) for c in v.captured])
-        self.last_pairs = len(rows)
+        raw = self.head.raw_feature(v.feature, v.captured).flatten(0, 1)                    # [B * N, R]
+        if N > 1:  # the accepted paths' rows
+            raw = raw.index_select(0, self.runner.index([b * N + i for b, path in enumerate(v.paths) for i in path]))
+        self.last_pairs = raw.shape[0]
         end = 0
         for s, new in zip(seqs, v.new_tokens):
-            self.pending.setdefault(s.seq_id, []).append((hidden[end:end + len(new)], new))
+            self.pending.setdefault(s.seq_id, []).append((raw[end:end + len(new)], new))
             end += len(new)

@@ -202,6 +202,15 @@ def test_auto_is_lossless(setup):
     assert llm.set_method("vanilla").depth == 0
 
 
+def test_policy_outlives_set_method(setup):
+    llm, _, _ = setup
+    policy = llm.set_method("auto").policy
+    llm.set_method("vanilla")
+    assert llm.set_method("auto").policy is policy
+    assert llm.set_method("auto", {"head": "random"}).policy is not policy
+    llm.set_method("vanilla")
+
+
 def test_adaptive_flag():
     args = parse_args(["--method", "eagle3", "--adaptive", "hi"])
     assert args.adaptive is True and parse_args(["hi"]).adaptive is None

@@ -48,7 +48,7 @@ def no_syncs():
 
 
 def guard(decoder):
-    for name in ["_decode"] if type(decoder).__name__ == "VanillaDecoder" else ["draft", "verify"]:
+    for name in ["_decode"] if type(decoder).__name__ == "VanillaDecoder" else ["draft", "verify", "_decode"]:
         fn = getattr(decoder, name)
 
         def wrapped(*args, _fn=fn, **kwargs):

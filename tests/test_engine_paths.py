@@ -56,8 +56,8 @@ def gpu_path(llm, on: bool):
 
 
 def forbid_host_reads(decoder):
-    """Run the decoder's round bodies (a vanilla step's forward; draft and verify) inside no_host_reads()."""
-    for name in ["_decode"] if type(decoder).__name__ == "VanillaDecoder" else ["draft", "verify"]:
+    """Run the decoder's round bodies (a decode step's forward; draft and verify) inside no_host_reads()."""
+    for name in ["_decode"] if type(decoder).__name__ == "VanillaDecoder" else ["draft", "verify", "_decode"]:
         fn = getattr(decoder, name)
 
         def wrapped(*args, _fn=fn, **kwargs):

@@ -119,10 +119,21 @@ def test_forward_shapes():
     captured = [torch.randn(7, 32) for _ in e3.capture]
     assert e3.capture == (2, 4, 5) and e3.target_feature(None, captured).shape == (7, 32)
     feature = torch.randn(7, 32)
-    assert e1.capture == () and e1.target_feature(feature, []) is feature
+    assert e1.capture == () and torch.equal(e1.target_feature(feature, []), feature)
     draft_ids = torch.arange(20)
     assert torch.equal(e3.t2d[e3.to_target(draft_ids)], torch.ones(20, dtype=torch.bool))
     assert torch.equal(e1.to_target(draft_ids), draft_ids)
+
+
+def test_projection_is_row_wise():
+    """EagleDecoder keeps raw features and projects them later, many rounds' rows in one matmul."""
+    target = tiny_target()
+    for head in (make_head("eagle", target), make_head("eagle3", target)):
+        feature, captured = torch.randn(7, 32), [torch.randn(7, 32) for _ in head.capture]
+        raw = [head.raw_feature(feature[i:i + 1], [c[i:i + 1] for c in captured]) for i in range(7)]
+        rows = torch.cat([head.project(r) for r in raw])
+        torch.testing.assert_close(head.project(torch.cat(raw)), rows)
+        torch.testing.assert_close(head.target_feature(feature, captured), rows)
 
 
 def test_shape_mismatch_is_a_clear_error(tmp_path):
