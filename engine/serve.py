@@ -13,7 +13,9 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 import uuid
 from typing import Literal
@@ -331,14 +333,30 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     engine = AsyncEngine(llm, args.method or default_method(), args.max_waiting)
-    engine.start()
     server = Server(engine, args.served_model_name or args.model, args.default_max_tokens)
+    http = uvicorn.Server(uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level=args.log_level))
+
+    def serve_http():  # uvicorn in a thread, the engine in the main one (AsyncEngine.run says why)
+        try:
+            http.run()
+        finally:
+            engine.shutdown()
+
+    thread = threading.Thread(target=serve_http, name="http", daemon=True)
+    thread.start()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)   # stop as on Ctrl-C
     print(f"serving {server.model_name} ({engine.method}) on http://{args.host}:{args.port}", file=sys.stderr,
           flush=True)
     try:
-        uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.log_level)
+        engine.run()
+    except KeyboardInterrupt:
+        pass
     finally:
-        engine.shutdown()
+        http.should_exit = True
+        thread.join(timeout=30)
+    if not http.started:
+        print(f"error: could not serve on {args.host}:{args.port} (see the message above)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -88,24 +88,37 @@ class AsyncEngine:
         self._inbox: list[Request] = []
         self._cancel: list[Request] = []
         self._cv = threading.Condition()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._stopping = self._ended = False
+        self._thread: threading.Thread | None = None
         self.error: Exception | None = None   # the last round failure, if any
 
-    # --- the asyncio side ----------------------------------------------------------------------------
+    def run(self):
+        """The engine loop, in this thread, until shutdown(). engine.serve runs it in the main thread: OpenMP
+        keeps a thread pool per thread that starts parallel work, and with a second pool (the one the model
+        was loaded with) more threads than cores exist, so libgomp's workers stop spin-waiting between the
+        ~150 parallel kernels of a step (measured: decode 4.5x slower from a second thread on 2 cores)."""
+        try:
+            self._loop()
+        finally:
+            self._ended = True
 
     def start(self):
+        """The engine loop in a background thread (tests; single-threaded torch)."""
+        self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self._thread.start()
+
+    # --- the asyncio side ----------------------------------------------------------------------------
 
     def shutdown(self):
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        self._thread.join(timeout=30)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return not self._ended
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = ()) -> Request:
         """Queue a request. ValueError: it can never run here (bad parameters, too long); QueueFull."""
@@ -135,7 +148,7 @@ class AsyncEngine:
 
     # --- the engine thread ---------------------------------------------------------------------------
 
-    def _run(self):
+    def _loop(self):
         while True:
             with self._cv:
                 while not (self._inbox or self._cancel or self.llm.has_work or self._stopping):

@@ -268,3 +268,40 @@ def test_a_failing_round_fails_its_requests_and_the_server_goes_on(server, monke
     assert server.idle()
     assert httpx.get(server.url + "/health").status_code == 200
     assert chat(server, "hi", max_tokens=8).choices[0].message.content
+
+
+def test_the_command_serves_from_the_main_thread_and_stops_on_sigterm():
+    """`python -m engine.serve` as a user runs it: the engine loop in the main thread (uvicorn in another), a
+    streamed answer, SIGTERM -> exit 0; a port already taken -> a one-line error, exit 1."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = subprocess.run([sys.executable, "-m", "engine.serve", "--port", str(port), "--threads", "1"], cwd=root,
+                              capture_output=True, text=True, timeout=300)
+    assert busy.returncode == 1 and busy.stderr.strip().splitlines()[-1].startswith("error: could not serve")
+    proc = subprocess.Popen([sys.executable, "-m", "engine.serve", "--port", str(port), "--threads", "1",
+                             "--method", "vanilla"], cwd=root, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None and time.time() < deadline, "server did not start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
+                                                max_tokens=8, temperature=0, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
