@@ -69,7 +69,7 @@ from eagle_kernels import linear_q, quant
 gen = torch.Generator().manual_seed(3)
 out = []
 for qtype in ("q8_0", "q4_1"):
-    for M, K, N in ((1, 576, 64), (3, 1536, 48), (9, 160, 128)):
+    for M, K, N in ((1, 576, 64), (3, 1536, 48), (9, 160, 128), (16, 576, 32), (37, 64, 48)):
         data = quant.quantize(torch.randn(N, K, generator=gen), qtype)
         x = torch.randn(M, K, generator=gen)
         out += [linear_q(x, data, qtype), linear_q(x.bfloat16(), data, qtype)]
@@ -77,15 +77,18 @@ torch.save(out, sys.argv[1])
 """
 
 
-def test_linear_q_same_bits_with_and_without_avx512(tmp_path):
-    """EAGLE_CPU_AVX512=0 takes the AVX2 kernels; both compute the same chain (on CPUs without AVX-512
-    VNNI both runs take AVX2)."""
+def test_linear_q_same_bits_on_every_instruction_set(tmp_path):
+    """The default (AMX tiles from 16 rows where the CPU has them, else AVX-512 VNNI), EAGLE_CPU_AMX=0 (VNNI
+    only) and EAGLE_CPU_AVX512=0 (the AVX2 kernels) compute the same chain, bit for bit. On a CPU without one
+    of them the runs fall back to the same kernels and still must agree."""
     results = []
-    for flag in ("1", "0"):
-        out = tmp_path / f"out{flag}.pt"
-        subprocess.run([sys.executable, "-c", _SCRIPT, str(out)], check=True, env={**os.environ, "EAGLE_CPU_AVX512": flag})
+    for i, flags in enumerate(({}, {"EAGLE_CPU_AMX": "0"}, {"EAGLE_CPU_AVX512": "0"})):
+        out = tmp_path / f"out{i}.pt"
+        env = {k: v for k, v in os.environ.items() if k not in ("EAGLE_CPU_AMX", "EAGLE_CPU_AVX512")}
+        subprocess.run([sys.executable, "-c", _SCRIPT, str(out)], check=True, env={**env, **flags})
         results.append(torch.load(out))
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
