@@ -7,6 +7,9 @@ returning `list[list[int]]`. The scheduler has reserved room for what a step wri
 
     draft (device) -> verify (device) -> one device-to-host copy -> catch up (draft caches) -> record
 
+A method that reads what the target computed per token (EAGLE's head inputs) writes it in the target's
+steps themselves (`store`, by cache slot, like KV) and moves it with the accepted KV.
+
 Draft and verify make no host reads: every host value they need (block tables, cached lengths, sampling
 parameters) is known before the round, and device inputs arrive through one staged copy per step.
 Verification appends the whole tree to the target cache, moves the accepted path's KV to consecutive
@@ -30,7 +33,7 @@ class Decoder:
     """What vanilla and speculative decoders share: the runner, the sampler, the scheduler's block tables."""
     lookahead = 1  # cache positions a step may write past the cached tokens
     depth = 0      # levels the last round drafted (0: a plain decode step)
-    capture = ()   # target layers whose inputs a step returns (a speculative method's catch-up reads them)
+    capture = ()   # target layers whose inputs a step hands to `store`
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, blocks):
         self.runner, self.sampler, self.blocks = runner, sampler, blocks
@@ -40,32 +43,36 @@ class Decoder:
     def plan(self, seqs: list[Sequence], starts: list[int], counts: list[int]) -> StepPlan:
         return StepPlan([self.blocks.block_table(s.seq_id) for s in seqs], starts, counts)
 
-    def prefill_target(self, seqs: list[Sequence], capture=()):
-        """Target prefill + each sequence's first token. -> (first tokens, feature [T, H], captured,
-        cu_seqlens as a host list)."""
+    def store(self, slots: torch.Tensor, feature: torch.Tensor, captured: list[torch.Tensor]):
+        """What a method keeps of every target step, per token: slots int64 [T] (padded rows: the scratch
+        block), feature [T, H], the `capture` layers' inputs [T, H] each. Runs inside the step's graph."""
+
+    def prefill_target(self, seqs: list[Sequence]) -> list[int]:
+        """Target prefill -> each sequence's first token."""
         counts = [len(s.prompt_ids) for s in seqs]
         meta, pos, ids = self.runner.meta(self.plan(seqs, [0] * len(seqs), counts),
                                           ids=[t for s in seqs for t in s.prompt_ids])
-        feature, captured = self.model(ids, pos, self.runner.layers, meta, capture)
-        cu = [0]
+        feature, captured = self.model(ids, pos, self.runner.layers, meta, self.capture)
+        self.store(meta.slot_mapping, feature, captured)
+        ends = []
         for n in counts:
-            cu.append(cu[-1] + n)
-        last = self.runner.index([c - 1 for c in cu[1:]])
-        first = self.sampler(self.model.logits(feature.index_select(0, last)), seqs)
-        return first.tolist(), feature, captured, cu
+            ends.append((ends[-1] if ends else 0) + n)
+        last = self.runner.index([e - 1 for e in ends])
+        return self.sampler(self.model.logits(feature.index_select(0, last)), seqs).tolist()
 
-    def decode(self, seqs: list[Sequence]):
-        """One target forward over each sequence's last token. -> (next tokens, feature [B, H], captured)."""
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        """One target forward over each sequence's last token. -> next tokens."""
         B = len(seqs)
         Bp = self.runner.batch_rows(B)
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [1] * B).padded(Bp)
         g = self.runner.graph(self.graphs, ("decode", Bp), plan, self._decode, {}, host_ids=True)
-        logits, feature, captured = g.run(plan, host_ids=[s.all_ids[-1] for s in seqs])
-        return self.sampler(logits[:B], seqs).tolist(), feature[:B], [c[:B] for c in captured]
+        logits = g.run(plan, host_ids=[s.all_ids[-1] for s in seqs])
+        return self.sampler(logits[:B], seqs).tolist()
 
     def _decode(self, g):
         feature, captured = self.model(g.ids, g.positions, self.runner.layers, g.meta, self.capture)
-        return self.model.logits(feature), feature, captured
+        self.store(g.meta.slot_mapping, feature, captured)
+        return self.model.logits(feature)
 
     def release(self, seq_ids: list[int]):
         """Forget retired sequences' per-sequence state."""
@@ -78,26 +85,23 @@ class VanillaDecoder(Decoder):
     """One target forward per token; the reference every speculative method must match."""
 
     def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
-        return [[t] for t in self.prefill_target(seqs)[0]]
+        return [[t] for t in self.prefill_target(seqs)]
 
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
-        return [[t] for t in self.decode(seqs)[0]]
+        return [[t] for t in self.decode(seqs)]
 
 
 @dataclass
 class Verdict:
-    """Verification's outcome, on the device (what catch-up needs) and on the host (one copy)."""
-    feature: torch.Tensor          # [B, N, H] target features of every verified node
-    captured: list[torch.Tensor]   # the target's captured layer inputs, [B, N, H] each
+    """Verification's outcome on the host (one copy)."""
     lengths: list[int]             # accepted draft tokens per sequence
     paths: list[list[int]]         # accepted node indices, root first (lengths[b] + 1 of them)
     new_tokens: list[list[int]]    # accepted drafts + the bonus / corrected token
 
     @classmethod
-    def decoded(cls, tokens: list[int], feature: torch.Tensor, captured: list[torch.Tensor]) -> "Verdict":
+    def decoded(cls, tokens: list[int]) -> "Verdict":
         """A plain decode step's (Decoder.decode) as a verdict: only the root, and its next token."""
-        B = len(tokens)
-        return cls(feature[:, None], [c[:, None] for c in captured], [0] * B, [[0]] * B, [[t] for t in tokens])
+        return cls([0] * len(tokens), [[0]] * len(tokens), [[t] for t in tokens])
 
 
 class SpeculativeDecoder(Decoder):
@@ -120,7 +124,7 @@ class SpeculativeDecoder(Decoder):
         self.depth = 0 if tree is None else self.drafted_depth(tree)
         with self.timer("verify_s"):
             out = self.decode(seqs) if tree is None else self.verify(seqs, tree, draft_probs)
-        verdict = Verdict.decoded(*out) if tree is None else self.read(out)
+        verdict = Verdict.decoded(out) if tree is None else self.read(out)
         with self.timer("draft_s"):
             self.catch_up(seqs, verdict)
         self._stats.record(verdict.lengths, self.depth)
@@ -136,9 +140,9 @@ class SpeculativeDecoder(Decoder):
     def catch_up(self, seqs: list[Sequence], verdict: Verdict):
         raise NotImplementedError
 
-    def verify(self, seqs: list[Sequence], tree: Tree, draft_probs=None) -> tuple:
+    def verify(self, seqs: list[Sequence], tree: Tree, draft_probs=None) -> torch.Tensor:
         """Run the target once over every tree (root + drafts), accept the longest lossless path and move
-        its KV to consecutive positions. Device only. -> (summary int64 [B, 2N + 2], feature, captured)."""
+        its KV (and what `store` keeps) to consecutive positions. Device only. -> summary int64 [B, 2N + 2]."""
         B, N = tree.tokens.shape
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [N] * B)
         Bp = self.runner.batch_rows(B)
@@ -150,20 +154,21 @@ class SpeculativeDecoder(Decoder):
         given = {"ids": tree.tokens, "depths": tree.depths}
         if not self.causal:
             given["tree_mask"] = tree.mask()
-        logits, feature, captured = g.run(plan.padded(Bp), **given)
+        logits = g.run(plan.padded(Bp), **given)
         logits = logits.view(Bp, N, -1)[:B]                                              # [B, N, V]
         path, length, nxt = self.accept(seqs, tree, logits, draft_probs)
         self.keep_path(g.meta.slot_mapping.view(Bp, N)[:B], path)
         on_path = tree.tokens.gather(1, path.clamp(min=0).long())
         summary = torch.cat([length[:, None].long(), nxt[:, None], path.long(), on_path], 1)  # [B, 2N + 2]
-        return summary, feature.view(Bp, N, -1)[:B], [c.view(Bp, N, -1)[:B] for c in captured]
+        return summary
 
     def _verify_fn(self, g):
         Bp, N = g.inputs["ids"].shape
         rope = g.meta.prefix_lens[:, None] + g.inputs["depths"]                              # [Bp, N]
         feature, captured = self.model(g.inputs["ids"].flatten(), rope.flatten(), self.runner.layers, g.meta,
                                        self.capture)
-        return self.model.logits(feature), feature, captured
+        self.store(g.meta.slot_mapping, feature, captured)
+        return self.model.logits(feature)
 
     def accept(self, seqs, tree: Tree, logits, draft_probs):
         """Greedy rows accept while the draft equals the target's argmax; sampled rows by tree rejection
@@ -183,20 +188,23 @@ class SpeculativeDecoder(Decoder):
 
     def keep_path(self, slots: torch.Tensor, path: torch.Tensor):
         """Copy the KV of accepted node path[b, j] (at slots[b, path[b, j]]) to slots[b, j], every layer at
-        once; rejected positions copy onto themselves. slots: int32 [B, N]; path: int32 [B, N], -1 padded."""
-        src = torch.where(path >= 0, slots.gather(1, path.clamp(min=0).long()), slots).flatten().long()
-        kv = self.runner.kv.flatten(0, 1).flatten(1, 2)                     # [layers * 2, slots, Hkv, D]
-        kv.index_copy_(1, slots.flatten().long(), kv.index_select(1, src))
+        once; rejected positions copy onto themselves. slots: int64 [B, N]; path: int32 [B, N], -1 padded."""
+        src = torch.where(path >= 0, slots.gather(1, path.clamp(min=0).long()), slots).flatten()
+        self.move_slots(slots.flatten(), src)
 
-    def read(self, out) -> Verdict:
+    def move_slots(self, dst: torch.Tensor, src: torch.Tensor):
+        """Per-slot state: the target's KV at slots src -> slots dst (int64 [n] each)."""
+        kv = self.runner.kv.flatten(0, 1).flatten(1, 2)                     # [layers * 2, slots, Hkv, D]
+        kv.index_copy_(1, dst, kv.index_select(1, src))
+
+    def read(self, summary: torch.Tensor) -> Verdict:
         """The round's one device-to-host copy."""
-        summary, feature, captured = out
         host = summary.tolist()
         N = (summary.shape[1] - 2) // 2
         lengths = [row[0] for row in host]
         paths = [row[2:3 + n] for row, n in zip(host, lengths)]
         new = [row[3 + N:3 + N + n] + [row[1]] for row, n in zip(host, lengths)]
-        return Verdict(feature, captured, lengths, paths, new)
+        return Verdict(lengths, paths, new)
 
     def timer(self, attr: str) -> "Timer":
         return Timer(self._stats, attr, self.runner.device, self.timing)

@@ -118,9 +118,13 @@ class DraftHead(nn.Module):
         return self.project(self.raw_feature(feature, captured))
 
     def raw_feature(self, feature: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
-        """The target features `project` reads, one row per token: a new tensor [.., R] (the target's
-        outputs may live in buffers the next step overwrites)."""
+        """The target features `project` reads, one row per token: [.., raw_width] (may be a view of the
+        target's outputs; a caller that keeps it copies it)."""
         raise NotImplementedError
+
+    @property
+    def raw_width(self) -> int:
+        return self.cfg.hidden_size * max(1, len(self.capture))
 
     def project(self, raw: torch.Tensor) -> torch.Tensor:
         """raw_feature rows -> the head's input width H, row by row."""
@@ -178,7 +182,7 @@ class Eagle1Head(DraftHead):
         return self._target[1](out).float()
 
     def raw_feature(self, feature, captured):
-        return feature.clone()
+        return feature
 
     def project(self, raw):
         return raw

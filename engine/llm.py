@@ -14,7 +14,7 @@ import torch
 
 from .device import CUDA_KV_SHARE, defaults, resolve_device
 from .loader import DEFAULT_MODEL, load_model, load_tokenizer
-from .methods import METHODS
+from .methods import METHODS, draft_elements_per_token
 from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import SamplingParams, Scheduler, Sequence
@@ -62,7 +62,8 @@ class LLM:
         gb = kv_cache_gb if kv_cache_gb is not None else preset.kv_cache_gb
         if gb is None:  # a share of what the weights left free
             gb = CUDA_KV_SHARE * torch.cuda.mem_get_info(self.device)[0] / 2**30
-        num_blocks = ModelRunner.blocks_for_budget(self.cfg, DTYPES[dtype], block_size, gb)
+        num_blocks = ModelRunner.blocks_for_budget(self.cfg, DTYPES[dtype], block_size, gb,
+                                                   draft_elements_per_token(method, self.cfg))
         self.runner = ModelRunner(self.model, self.cfg, DTYPES[dtype], self.device, num_blocks, block_size,
                                   self.cfg.max_position,
                                   preset.cuda_graphs if cuda_graphs is None else cuda_graphs)

@@ -61,6 +61,15 @@ def make_auto(llm) -> Decoder:
     return make_vanilla(llm)
 
 
+def draft_elements_per_token(method: str, cfg) -> int:
+    """Cache elements a method keeps per token beside the target's KV, counted in the KV budget: EAGLE's head
+    KV (one layer shaped like the target's) and inputs (up to three target features, EAGLE-3). SpS's draft
+    cache is not counted: its size depends on --draft."""
+    if method in ("eagle", "eagle3", "auto"):
+        return 2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.hidden_size
+    return 0
+
+
 METHODS: dict[str, Callable] = {
     "vanilla": make_vanilla,
     "sps": make_sps,

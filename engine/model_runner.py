@@ -54,8 +54,11 @@ class ModelRunner:
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
 
     @staticmethod
-    def blocks_for_budget(cfg, dtype: torch.dtype, block_size: int, gb: float) -> int:
-        per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    def blocks_for_budget(cfg, dtype: torch.dtype, block_size: int, gb: float, extra_per_token: int = 0) -> int:
+        """Blocks of the target's KV cache, and of `extra_per_token` elements a token beside it (a draft's
+        caches and stores), that fit in `gb`."""
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim + extra_per_token
+        per_block = block_size * per_token * dtype.itemsize
         num_blocks = int(gb * 2**30 // per_block)
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-gb {gb} holds no block of {per_block} bytes")
@@ -66,6 +69,11 @@ class ModelRunner:
         end may be read inside a partially filled block, and masked garbage (NaN * 0) must not leak."""
         return torch.zeros(num_layers, 2, self.num_blocks + 1, self.block_size, num_kv_heads, head_dim,
                            dtype=self.dtype, device=self.device)
+
+    def new_store(self, width: int) -> torch.Tensor:
+        """Per-token rows by cache slot, [slots (with scratch), width], for state a method keeps of every
+        target step beside its KV (EAGLE's head inputs): written and moved by the same slots."""
+        return torch.zeros((self.num_blocks + 1) * self.block_size, width, dtype=self.dtype, device=self.device)
 
     # --- metadata ------------------------------------------------------------------------------------------
 

@@ -1,20 +1,21 @@
 """EAGLE decoding (EAGLE-1 / EAGLE-2 / EAGLE-3): a one-layer head drafts a tree from the target's features,
 the target verifies the whole tree in one forward.
 
-The head reads pairs: pair t = (hidden_t, token_{t+1}) sits at position t. The head is fed lazily: prefill
-and every round leave their pairs (the target's raw features at t, token t + 1) in `pending[seq]`, and a
-round that drafts feeds them first: one projection to the head's input width, one head forward. After that
-the head's cache holds the pairs t < L (L = the target's cached tokens; pair L - 1 is the root pair, its
-token the root) and `root[seq]` keeps that pair's input hidden and the head's output there. A round that
-drafts nothing (an adaptive policy's depth 0) is a plain decode step that keeps the target's features, and
-a request served without drafts to its end never runs the head. A round:
+The head reads pairs: pair t = (hidden_t, token_{t+1}) sits at position t. Every target step (prefill,
+decode, verify) writes its tokens' raw features (what `head.project` reads) to `features`, rows by cache
+slot beside the target's KV, and verification moves the accepted rows with the accepted KV. The head is fed
+lazily: a round that drafts first feeds each sequence's pairs fed[seq] <= t < L (L = the target's cached
+tokens; the tokens are the sequence's own): one projection to the head's input width, one head forward.
+After that the head's cache holds the pairs t < L (pair L - 1 is the root pair, its token the root) and
+`root[seq]` keeps that pair's input hidden and the head's output there. A round that drafts nothing (an
+adaptive policy's depth 0) is a plain decode step plus one row write, and a request served without drafts
+to its end never runs the head. A round:
 1. draft: feed the pending pairs; the root's output gives the depth-1 candidates; forward d (d = 2 .. depth)
    feeds the drafted history - the root pair again and every frontier expanded so far, with its ancestor
    mask - and expands the newest frontier (trees.py policies). Drafts are re-fed, not cached: paged
    attention lets new tokens see every cached token, so a cached draft would be visible to its cousins.
 2. verify (decoding.SpeculativeDecoder.verify): root + tree in one target forward, lossless acceptance.
-3. catch up: the pairs of the accepted path and the bonus token join `pending`; the last of them is the
-   next root pair.
+3. catch up: nothing to do; the accepted path's rows are in `features` and the next round feeds them.
 
 With a policy (engine/adaptive.py) each round drafts the depth it picks for the batch, 0 .. the tree's
 depth; the verified tokens shrink with it (the tree's budget, capped by what d levels hold).
@@ -76,10 +77,11 @@ class EagleDecoder(SpeculativeDecoder):
         self.capture = head.capture
         self.kv = runner.new_cache(1, head.cfg.num_kv_heads, head.cfg.head_dim)
         self.head_layers = kv_layers(self.kv)
+        self.features = runner.new_store(head.raw_width)                                # [slots, R]
         self.root: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # seq_id -> root pair's (hidden, output) [H]
-        self.pending: dict[int, list[tuple[torch.Tensor, list[int]]]] = {}  # seq_id -> unfed (raw [n, R], tokens)
+        self.fed: dict[int, int] = {}  # seq_id -> pairs in the head's cache
         self.caps: list[int] = []  # this round's depth caps per sequence
-        self.last_pairs, self.backlog_s = 0, 0.0  # pairs the last round left; feeding time not charged to a round
+        self.last_pairs, self.backlog_s = 0, 0.0  # tokens the last round added; feeding time not charged to a round
         fed = sum(tree.frontier_sizes())
         # Verification writes the tree at L ..; drafting the history at L - 1 ..
         self.lookahead = max(tree.verify_tokens, fed - 1)
@@ -94,20 +96,26 @@ class EagleDecoder(SpeculativeDecoder):
     def release(self, seq_ids):
         for sid in seq_ids:
             self.root.pop(sid, None)
-            self.pending.pop(sid, None)
+            self.fed.pop(sid, None)
+
+    def store(self, slots, feature, captured):
+        self.features.index_copy_(0, slots, self.head.raw_feature(feature, captured))
+
+    def move_slots(self, dst, src):
+        super().move_slots(dst, src)
+        self.features.index_copy_(0, dst, self.features.index_select(0, src))
 
     def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
-        first, feature, captured, cu = self.prefill_target(seqs, self.capture)
-        raw = self.head.raw_feature(feature, captured)                                     # [T, R]
-        for b, (s, f) in enumerate(zip(seqs, first)):
-            self.pending[s.seq_id] = [(raw[cu[b]:cu[b + 1]], s.prompt_ids[1:] + [f])]
-        return [[t] for t in first]
+        for s in seqs:
+            self.fed[s.seq_id] = 0
+        return [[t] for t in self.prefill_target(seqs)]
 
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
         if self.policy is None:
             return super().step(seqs)
         t0, graphs, self.backlog_s = time.perf_counter(), len(self.graphs), 0.0
         new = super().step(seqs)
+        self.last_pairs = sum(len(t) for t in new)
         warm_up = self.runner.device.type == "cuda" and len(self.graphs) > graphs  # a step built: capture, compile
         seconds = None if warm_up else time.perf_counter() - t0 - self.backlog_s
         self.policy.observe(len(seqs), self.depth, seconds,
@@ -145,21 +153,21 @@ class EagleDecoder(SpeculativeDecoder):
         return tree.select(tree_policy.verify_tokens - 1, runner.to_device(self.caps)), None
 
     def _feed_pending(self, seqs):
-        """Feed every pending pair of `seqs` in one head forward; each sequence's last pair becomes its root."""
-        todo = [s for s in seqs if self.pending.get(s.seq_id)]
+        """Feed the unfed pairs of `seqs` in one head forward; each sequence's last pair becomes its root."""
+        todo = [s for s in seqs if self.fed[s.seq_id] < cached_len(s)]
         if not todo:
             return
         t0 = time.perf_counter()
-        parts = [self.pending.pop(s.seq_id) for s in todo]
-        counts = [sum(len(t) for _, t in p) for p in parts]
-        hidden = self.head.project(torch.cat([r for p in parts for r, _ in p]))             # [T, H]
-        tokens = [t for p in parts for _, ts in p for t in ts]
-        meta, pos, ids = self.runner.meta(self.plan(todo, [cached_len(s) - n for s, n in zip(todo, counts)], counts),
-                                          ids=tokens)
+        starts = [self.fed[s.seq_id] for s in todo]
+        counts = [cached_len(s) - f for s, f in zip(todo, starts)]
+        tokens = [t for s, f, n in zip(todo, starts, counts) for t in s.all_ids[f + 1:f + 1 + n]]
+        meta, pos, ids = self.runner.meta(self.plan(todo, starts, counts), ids=tokens)
+        hidden = self.head.project(self.features.index_select(0, meta.slot_mapping))        # [T, H]
         out = self.head(ids, hidden, pos, self.head_layers[0], meta)
         end = 0
         for s, n in zip(todo, counts):
             end += n
+            self.fed[s.seq_id] = cached_len(s)
             self.root[s.seq_id] = (hidden[end - 1], out[end - 1])
         # Pairs left by earlier rounds (prefill, rounds without drafts) are not this round's cost.
         self.backlog_s = (time.perf_counter() - t0) * (1 - min(self.last_pairs, len(tokens)) / len(tokens))
@@ -183,12 +191,4 @@ class EagleDecoder(SpeculativeDecoder):
                          self.head_layers[0], g.meta)
 
     def catch_up(self, seqs: list[Sequence], v: Verdict):
-        N = v.feature.shape[1]
-        raw = self.head.raw_feature(v.feature, v.captured).flatten(0, 1)                    # [B * N, R]
-        if N > 1:  # the accepted paths' rows
-            raw = raw.index_select(0, self.runner.index([b * N + i for b, path in enumerate(v.paths) for i in path]))
-        self.last_pairs = raw.shape[0]
-        end = 0
-        for s, new in zip(seqs, v.new_tokens):
-            self.pending.setdefault(s.seq_id, []).append((raw[end:end + len(new)], new))
-            end += len(new)
+        """The accepted rows are in `features` already (verify moved them); the next draft feeds them."""

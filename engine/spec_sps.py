@@ -70,7 +70,7 @@ class SpSDecoder(SpeculativeDecoder):
             self.next_logits.pop(sid, None)
 
     def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
-        first = self.prefill_target(seqs)[0]
+        first = self.prefill_target(seqs)
         self._feed(seqs, [0] * len(seqs), [s.prompt_ids + [t] for s, t in zip(seqs, first)])
         return [[t] for t in first]
 

@@ -9,8 +9,9 @@ import torch
 
 from engine.adaptive import PROBE_SHARE, SpeculationPolicy
 from engine.llm import LLM
+from engine.model_runner import ModelRunner
 from engine.run import parse_args
-from engine.scheduler import SamplingParams
+from engine.scheduler import SamplingParams, Scheduler, cached_len
 from engine.spec_eagle import EagleDecoder, eagle_head
 from engine.trees import DynamicTree
 import tests.test_speculative_sampling as sampling
@@ -159,6 +160,39 @@ def record_drafts(decoder, into: dict):
     decoder.verify = wrapped
 
 
+@torch.inference_mode()
+def test_head_inputs_are_the_accepted_tokens_features(setup):
+    """EagleDecoder.features (the head's inputs, by cache slot) hold, at every drafting round and for every
+    cached token, exactly what a twin target computes over the same tokens (prompt prefill, then one decode
+    step a token), whatever depth earlier rounds drafted: verification wrote the tree's rows and moved the
+    accepted ones with the KV (a tree row is bit-identical to a decode row), plain steps wrote theirs."""
+    llm, prompts, ref = setup
+    decoder = eagle3(llm, Cycle([0, 1, 2, 0, 0, 2, 1]))
+    head, twins, moved = decoder.head, {}, []
+    draft, move_slots = decoder.draft, decoder.move_slots
+
+    def checking(seqs):
+        for s in seqs:
+            n, p = cached_len(s), len(s.prompt_ids)
+            if s.seq_id not in twins:
+                runner = ModelRunner(llm.model, llm.cfg, llm.runner.dtype, llm.runner.device, 64, 16, 1024)
+                blocks = Scheduler(64, 16, 1, 1024, eos_ids=()).blocks
+                twins[s.seq_id] = runner, blocks, [runner.forward(blocks, [0], [s.prompt_ids], head.capture)]
+            runner, blocks, rows = twins[s.seq_id]
+            rows += [runner.forward(blocks, [0], [[t]], head.capture) for t in s.all_ids[p + len(rows) - 1:n]]
+            ours = decoder.features[torch.tensor(llm.scheduler.blocks.slots(s.seq_id, 0, n))]
+            assert torch.equal(ours, torch.cat([head.raw_feature(f, c) for f, c, _ in rows]))
+        return draft(seqs)
+
+    def noting(dst, src):
+        moved.append(not torch.equal(dst, src))
+        move_slots(dst, src)
+    decoder.draft, decoder.move_slots = checking, noting
+    seqs, stats = llm.generate(prompts[:2], SamplingParams(max_new_tokens=NEW))
+    assert [s.output_ids for s in seqs] == ref[:2]
+    assert any(moved) and all(stats.extra["depth_hist"])
+
+
 def test_every_depth_is_lossless_and_drafts_as_always_drafting(setup):
     llm, prompts, ref = setup
     always, cycling = {}, {}
@@ -171,7 +205,7 @@ def test_every_depth_is_lossless_and_drafts_as_always_drafting(setup):
         assert [s.output_ids for s in seqs] == ref[:len(batch)]
         assert stats.extra["depth_hist"][0] > 0 and all(stats.extra["depth_hist"])
         assert stats.extra["tau"] > 1.1
-        assert not decoder.pending and not decoder.root
+        assert not decoder.fed and not decoder.root
         assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
     both = always.keys() & cycling.keys()
     assert len(both) > 20

@@ -83,7 +83,7 @@ def run(llm, prompts, method, args, greedy=True):
     if getattr(llm.decoder, "policy", None):  # rounds without drafts and with them
         assert stats.extra["depth_hist"][0] >= 1 and sum(stats.extra["depth_hist"][1:]) >= 1
     assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
-    assert not getattr(llm.decoder, "pending", None) and not getattr(llm.decoder, "next_logits", None)
+    assert not getattr(llm.decoder, "fed", None) and not getattr(llm.decoder, "next_logits", None)
     return [s.output_ids for s in seqs], stats.as_dict()
 
 
@@ -136,3 +136,21 @@ def test_kernels_reject_tensors_on_another_device():
         eagle_kernels.paged_attention(q, cache, cache, tables, cu, torch.zeros(1, dtype=torch.int32, device=meta))
     with pytest.raises(ValueError, match="device|on meta|on cpu"):
         eagle_kernels.topk_expand(torch.randn(1, 8), torch.zeros(1, device=meta), 2)
+
+
+def test_kv_budget_holds_the_draft_state_too(tmp_path):
+    """--kv-cache-gb bounds the target's KV plus EAGLE's head KV and head inputs (one block of each over:
+    the scratch block); vanilla gets the whole budget for the target."""
+    write_tiny_llama(tmp_path, seed=1, vocab_size=VOCAB, num_hidden_layers=8).save_pretrained(str(tmp_path))
+    write_tokenizer(tmp_path, VOCAB)
+    gb = 0.004
+    sizes = {}
+    for method in ("vanilla", "eagle3"):
+        llm = LLM(str(tmp_path), "float32", device="cpu", kv_cache_gb=gb, block_size=8, method=method,
+                  method_args={"head": "random"} if method != "vanilla" else None)
+        caches = [llm.runner.kv] + ([llm.decoder.kv, llm.decoder.features] if method != "vanilla" else [])
+        total = sum(c.numel() * c.element_size() for c in caches)
+        blocks = llm.runner.num_blocks
+        assert total * blocks / (blocks + 1) <= gb * 2**30 < total * (blocks + 2) / (blocks + 1)
+        sizes[method] = blocks
+    assert sizes["eagle3"] < sizes["vanilla"]
