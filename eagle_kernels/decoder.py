@@ -25,15 +25,16 @@ def decoder_layers_fit(hidden: torch.Tensor, max_new: int | None) -> bool:
 
 
 def decoder_layers(hidden, weights, formats, eps, cos, sin, kv, slot_mapping, block_tables, cu_seqlens_q,
-                   prefix_lens, tree_mask, num_q_heads: int, capture=()):
+                   prefix_lens, tree_mask, num_q_heads: int, capture=(), capture_into=None):
     """hidden: [T, H] bf16 embeddings (the residual stream: updated in place); cos, sin: fp32 [T, D];
     kv: [k_cache, v_cache] per layer; metadata as paged_attention's. -> (the final norm's output [T, H],
-    the inputs of the layers in `capture`, in order)."""
+    the inputs of the layers in `capture`, in order). With `capture_into` (bf16 [slots, len(capture) * H])
+    those inputs go there instead, side by side, token t's at row slot_mapping[t] (int64), and none return."""
     if _ops.CHECKED:
         check_decoder_layers(hidden, weights, formats, cos, sin, kv, slot_mapping, block_tables, cu_seqlens_q,
                              prefix_lens, tree_mask, num_q_heads)
     return ops().decoder_layers(hidden, weights, formats, eps, cos, sin, kv, slot_mapping, block_tables,
-                                cu_seqlens_q, prefix_lens, tree_mask, num_q_heads, list(capture))
+                                cu_seqlens_q, prefix_lens, tree_mask, num_q_heads, list(capture), capture_into)
 
 
 def check_decoder_layers(hidden, weights, formats, cos, sin, kv, slot_mapping, block_tables, cu_seqlens_q,

@@ -40,7 +40,7 @@ WINDOW = 64         # sequence-rounds the acceptance rates average over
 PRIOR_WEIGHT = 1    # sequence-rounds the optimistic prior (every draft accepted) is worth
 SLACK = 0.1         # a depth within 10% of the best is a close call, worth re-probing ...
 AGING = 100         # ... and the margin grows by SLACK every AGING rounds its estimate goes unrefreshed
-PROBE_SHARE = 0.03  # of a bucket's round time, the most its re-probes may take
+PROBE_SHARE = 0.01  # of a bucket's round time, the most its re-probes may take
 
 
 def bucket(batch: int) -> int:
@@ -74,22 +74,26 @@ class SpeculationPolicy:
     def choose(self, batch: int) -> int:
         """The depth to draft this round for a batch of `batch` sequences."""
         k, depths = bucket(batch), range(self.depth + 1)
-        measured = [d for d in depths if (k, d) in self.samples]
-        if not measured:
+        if not any((k, d) in self.samples for d in depths):
             return 0  # a new bucket starts with the cheapest round, the baseline every depth is compared with
-        value = [self.value(batch, d) for d in depths]
-        best = max(measured, key=lambda d: value[d])
-        age = {d: self.rounds - self.tried.get((k, d), self.rounds) for d in depths}
-        close = [d for d in depths if d != best and value[d] >= (1 - SLACK * (1 + age[d] / AGING)) * value[best]]
-        new = [d for d in close if d not in measured]
+        seconds = [self.seconds(batch, d) for d in depths]
+        value = [float("inf") if t is None else batch * self.expected_tokens(d) / max(t, 1e-9)
+                 for d, t in zip(depths, seconds)]
+        best = max((d for d in depths if (k, d) in self.samples), key=lambda d: value[d])
+        rounds, tried, floor = self.rounds, self.tried, (1 - SLACK) * value[best]
+        close = [d for d in depths if d != best and
+                 value[d] >= floor - SLACK * (rounds - tried.get((k, d), rounds)) / AGING * value[best]]
+        if not close:
+            return best
+        new = [d for d in close if (k, d) not in self.samples]
         if new:
             return min(new)
         budget = PROBE_SHARE * self.spent.get(k, 0.0) - self.probed.get(k, 0.0)
-        due = [d for d in close if self.seconds(batch, d) <= budget]
+        due = [d for d in close if seconds[d] <= budget]
         if not due:
             return best
-        probe = max(due, key=lambda d: age[d])
-        self.probed[k] = self.probed.get(k, 0.0) + self.seconds(batch, probe)
+        probe = max(due, key=lambda d: rounds - tried.get((k, d), rounds))
+        self.probed[k] = self.probed.get(k, 0.0) + seconds[probe]
         return probe
 
     def value(self, batch: int, d: int) -> float:

@@ -17,6 +17,7 @@ positions on the device, and leaves the truncation to the scheduler.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -33,7 +34,8 @@ class Decoder:
     """What vanilla and speculative decoders share: the runner, the sampler, the scheduler's block tables."""
     lookahead = 1  # cache positions a step may write past the cached tokens
     depth = 0      # levels the last round drafted (0: a plain decode step)
-    capture = ()   # target layers whose inputs a step hands to `store`
+    capture = ()   # target layers whose inputs a step hands to `store` ...
+    capture_into = None  # ... or writes to this [slots, len(capture) * H] store, by slot, in the forward
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, blocks):
         self.runner, self.sampler, self.blocks = runner, sampler, blocks
@@ -52,7 +54,7 @@ class Decoder:
         counts = [len(s.prompt_ids) for s in seqs]
         meta, pos, ids = self.runner.meta(self.plan(seqs, [0] * len(seqs), counts),
                                           ids=[t for s in seqs for t in s.prompt_ids])
-        feature, captured = self.model(ids, pos, self.runner.layers, meta, self.capture)
+        feature, captured = self.model(ids, pos, self.runner.layers, meta, self.capture, self.capture_into)
         self.store(meta.slot_mapping, feature, captured)
         ends = []
         for n in counts:
@@ -70,7 +72,8 @@ class Decoder:
         return self.sampler(logits[:B], seqs).tolist()
 
     def _decode(self, g):
-        feature, captured = self.model(g.ids, g.positions, self.runner.layers, g.meta, self.capture)
+        feature, captured = self.model(g.ids, g.positions, self.runner.layers, g.meta, self.capture,
+                                       self.capture_into)
         self.store(g.meta.slot_mapping, feature, captured)
         return self.model.logits(feature)
 
@@ -166,7 +169,7 @@ class SpeculativeDecoder(Decoder):
         Bp, N = g.inputs["ids"].shape
         rope = g.meta.prefix_lens[:, None] + g.inputs["depths"]                              # [Bp, N]
         feature, captured = self.model(g.inputs["ids"].flatten(), rope.flatten(), self.runner.layers, g.meta,
-                                       self.capture)
+                                       self.capture, self.capture_into)
         self.store(g.meta.slot_mapping, feature, captured)
         return self.model.logits(feature)
 
@@ -206,8 +209,8 @@ class SpeculativeDecoder(Decoder):
         new = [row[3 + N:3 + N + n] + [row[1]] for row, n in zip(host, lengths)]
         return Verdict(lengths, paths, new)
 
-    def timer(self, attr: str) -> "Timer":
-        return Timer(self._stats, attr, self.runner.device, self.timing)
+    def timer(self, attr: str):
+        return Timer(self._stats, attr, self.runner.device) if self.timing else _UNTIMED
 
     def stats(self) -> dict:
         """Counters since the last call (LLM.generate calls this once per run)."""
@@ -247,16 +250,14 @@ class SpecStats:
 
 
 class Timer:
-    """Adds a `with` block's time to stats.<attr> when timing is on: wall time on the CPU, CUDA events
-    (read after the run, never synchronising a round) on a GPU."""
+    """Adds a `with` block's time to stats.<attr>: wall time on the CPU, CUDA events (read after the run,
+    never synchronising a round) on a GPU."""
 
-    def __init__(self, stats: SpecStats, attr: str, device: torch.device, enabled: bool):
-        self.stats, self.attr, self.enabled = stats, attr, enabled
+    def __init__(self, stats: SpecStats, attr: str, device: torch.device):
+        self.stats, self.attr = stats, attr
         self.cuda = device.type == "cuda"
 
     def __enter__(self):
-        if not self.enabled:
-            return
         if self.cuda:
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record()
@@ -264,14 +265,15 @@ class Timer:
             self.t0 = time.perf_counter()
 
     def __exit__(self, *exc):
-        if not self.enabled:
-            return
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self.stats.events.append((self.attr, self.start, end))
         else:
             setattr(self.stats, self.attr, getattr(self.stats, self.attr) + time.perf_counter() - self.t0)
+
+
+_UNTIMED = contextlib.nullcontext()
 
 
 def depth_caps(seqs: list[Sequence], max_position: int) -> list[int]:

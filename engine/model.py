@@ -164,9 +164,12 @@ class Llama(nn.Module):
         self.rotary = Rotary(cfg)
         self.fused, self._stack = True, None  # CPU steps through eagle_kernels.decoder_layers (see stack())
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttnMeta, capture: tuple[int, ...] = ()):
+    def forward(self, input_ids, positions, kv_caches, meta: AttnMeta, capture: tuple[int, ...] = (),
+                capture_into: torch.Tensor | None = None):
         """input_ids, positions: [T]. Returns the final normed feature [T, H] (EAGLE-1's feature, the LM
-        head's input) and the inputs of the layers in `capture` (EAGLE-3's low/mid/high features)."""
+        head's input) and the inputs of the layers in `capture` (EAGLE-3's low/mid/high features), or, with
+        `capture_into` ([slots, len(capture) * H]), writes those side by side at row meta.slot_mapping[t] for
+        token t and returns none."""
         residual = self.embed_tokens(input_ids)   # [T, H], the hidden state, updated in place
         cos, sin = self.rotary(positions, torch.float32)
         delta, captured = None, []
@@ -176,11 +179,14 @@ class Llama(nn.Module):
                 return eagle_kernels.decoder_layers(
                     residual, *stack, self.norm.eps, cos, sin, [c for kv in kv_caches for c in kv],
                     meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q, meta.prefix_lens, meta.tree_mask,
-                    self.cfg.num_heads, capture)
+                    self.cfg.num_heads, capture, capture_into)
             for i, layer in enumerate(self.layers):
                 if i in capture:  # layer i's input: a copy, since the residual keeps changing in place
                     captured.append(residual.clone() if delta is None else residual + delta)
                 delta = layer(delta, residual, cos, sin, kv_caches[i], meta)
+        if capture_into is not None:
+            capture_into.index_copy_(0, meta.slot_mapping, torch.cat(captured, -1))
+            captured = []
         return self.norm(delta, residual), captured
 
     def stack(self) -> tuple[list[torch.Tensor], list[int]] | None:

@@ -78,6 +78,8 @@ class EagleDecoder(SpeculativeDecoder):
         self.kv = runner.new_cache(1, head.cfg.num_kv_heads, head.cfg.head_dim)
         self.head_layers = kv_layers(self.kv)
         self.features = runner.new_store(head.raw_width)                                # [slots, R]
+        # EAGLE-3's raw feature is the captured inputs side by side: the target's forward writes them.
+        self.capture_into = self.features if self.capture else None
         self.root: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # seq_id -> root pair's (hidden, output) [H]
         self.fed: dict[int, int] = {}  # seq_id -> pairs in the head's cache
         self.caps: list[int] = []  # this round's depth caps per sequence
@@ -99,7 +101,8 @@ class EagleDecoder(SpeculativeDecoder):
             self.fed.pop(sid, None)
 
     def store(self, slots, feature, captured):
-        self.features.index_copy_(0, slots, self.head.raw_feature(feature, captured))
+        if self.capture_into is None:
+            self.features.index_copy_(0, slots, self.head.raw_feature(feature, captured))
 
     def move_slots(self, dst, src):
         super().move_slots(dst, src)

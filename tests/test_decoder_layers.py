@@ -39,7 +39,8 @@ def tree_rows(parents: list[int]) -> list[int]:
 
 def both_ways(llm, seq_ids, counts, trees=None, capture=()):
     """One step appending counts[b] random tokens to each sequence, run fused and per layer from the same
-    cache. -> [(feature, captured, kv)] for fused, per layer."""
+    cache. -> [(feature, captured, kv)] for fused, per layer, and with a capture, fused and per layer again
+    writing the captured inputs to a slot-indexed store (captured: [its rows at the step's slots])."""
     runner, blocks, model = llm.runner, llm.scheduler.blocks, llm.model
     starts = [blocks.length(s) for s in seq_ids]
     for s, start, n in zip(seq_ids, starts, counts):
@@ -55,12 +56,16 @@ def both_ways(llm, seq_ids, counts, trees=None, capture=()):
         pos = torch.tensor([starts[b] for b, n in enumerate(counts) for _ in range(n)]) + torch.tensor(depth)
     before = runner.kv.clone()
     out = []
-    for fused in (True, False):
+    for fused, into in [(True, False), (False, False)] + ([(True, True), (False, True)] if capture else []):
         runner.kv.copy_(before)
         model.fused = fused
         assert (model.stack() is not None) == fused
+        store = torch.randn(runner.kv.shape[2] * runner.kv.shape[3], len(capture) * 64).bfloat16() if into else None
         with torch.inference_mode():
-            feature, captured = model(ids, pos, runner.layers, meta, capture)
+            feature, captured = model(ids, pos, runner.layers, meta, capture, store)
+        if into:
+            assert captured == []
+            captured = [store[meta.slot_mapping]]
         out.append((feature, captured, runner.kv.clone()))
     model.fused = True
     return out
@@ -87,11 +92,13 @@ def test_decoder_layers_equals_the_per_layer_forward(checkpoint, weights):
              dict(counts=[6, 3, 5], trees=[[-1, 0, 0, 1, 1, 2], [-1, 0, 1], [-1, 0, 0, 0, 3]], capture=(0, 2, 5)),
              dict(counts=[1, 1, 1], capture=(7,))]
     for step in steps:
-        (f1, c1, kv1), (f2, c2, kv2) = both_ways(llm, seq_ids, **step)
+        (f1, c1, kv1), (f2, c2, kv2), *into = both_ways(llm, seq_ids, **step)
         assert f1.dtype == torch.bfloat16 and f1.shape == (sum(step["counts"]), 64)
         assert f1.abs().sum() > 0 and torch.equal(f1, f2), step
         assert len(c1) == len(step.get("capture", ())) and all(torch.equal(a, b) for a, b in zip(c1, c2)), step
         assert torch.equal(kv1, kv2), step
+        for feature, rows, kv in into:  # the same inputs written to a store by slot instead
+            assert torch.equal(feature, f1) and torch.equal(rows[0], torch.cat(c1, -1)) and torch.equal(kv, kv1)
         llm.runner.kv.copy_(kv1)  # the step's tokens stay: the next step sees longer prefixes
 
 
@@ -152,6 +159,9 @@ def test_decoder_layers_bad_arguments(checkpoint):
         (dict(num_q_heads=3), "qkv must map 64"),
         (dict(cos=cos[:1]), "cos and sin"),
         (dict(prefix_lens=meta.prefix_lens + 1000), "spans 1002 tokens"),
+        (dict(capture=[1], capture_into=torch.zeros(4096, 128, dtype=torch.bfloat16)), "capture_into must be"),
+        (dict(capture=[1], capture_into=torch.zeros(1, 64, dtype=torch.bfloat16)), "outside capture_into"),
+        (dict(capture=[1], capture_into=torch.zeros(4096, 64)), "capture_into must be"),
     ]
     for change, message in bad:
         if message is None:
