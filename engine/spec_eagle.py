@@ -122,7 +122,7 @@ class EagleDecoder(SpeculativeDecoder):
         warm_up = self.runner.device.type == "cuda" and len(self.graphs) > graphs  # a step built: capture, compile
         seconds = None if warm_up else time.perf_counter() - t0 - self.backlog_s
         self.policy.observe(len(seqs), self.depth, seconds,
-                            [len(t) - 1 for t, cap in zip(new, self.caps) if cap >= self.depth])
+                            [len(t) - 1 for t, cap in zip(new, self.caps) if cap >= self.depth], self.backlog_s)
         return new
 
     def drafted_depth(self, tree) -> int:

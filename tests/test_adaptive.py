@@ -51,6 +51,28 @@ def test_expensive_verification_means_no_drafts():
     assert policy.expected_tokens(2) < 1.9  # the optimistic prior (3 tokens) gave way to what one round saw
 
 
+def test_catching_up_counts_against_the_probe_budget():
+    """A drafting round after rounds that drafted nothing first feeds the head every token since (here 1 ms a
+    round skipped, at batch 8): re-probes and their catch-up together stay within PROBE_SHARE of the
+    bucket's time (one probe over at most), so they come rarer than when only the probe itself counted."""
+    probes = {}
+    for per_round in (0.0, 0.001):
+        policy, rng = SpeculationPolicy(CPU_TREE), random.Random(2)
+        since, explored, spent, drafted = 0, 0.0, 0.0, 0
+        for i in range(4000):
+            d = policy.choose(8)
+            backlog = per_round * since if d else 0.0
+            since = 0 if d else since + 1
+            lengths = [sum(rng.random() < a for a in [0.6, 0.3][:d]) for _ in range(8)]
+            policy.observe(8, d, CPU(8, d), lengths, backlog)
+            spent += CPU(8, d)
+            if i >= 10 and d:  # re-probes (the first tries of each depth came before)
+                explored, drafted = explored + CPU(8, d) + backlog, drafted + 1
+        assert 0 < drafted and explored <= PROBE_SHARE * spent + CPU(8, 2) + per_round * 1000
+        probes[per_round] = drafted
+    assert probes[0.001] < probes[0.0]
+
+
 def test_cheap_verification_means_full_depth():
     policy = SpeculationPolicy(CPU_TREE)
     chosen = simulate(policy, 1, 200, CPU, [0.6, 0.3], random.Random(1))
@@ -123,7 +145,7 @@ class Cycle:
         self.i += 1
         return self.depths[(self.i - 1) % len(self.depths)]
 
-    def observe(self, batch, d, seconds, accepted):
+    def observe(self, batch, d, seconds, accepted, backlog=0.0):
         assert seconds is None or seconds > 0
 
 
