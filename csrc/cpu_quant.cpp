@@ -398,28 +398,22 @@ EAGLE_AMX void compute_amx(const uint8_t* w, int64_t g0, int64_t g1, const Quant
         if (!Q4 && m0 == 0) prefetch_ahead<Q4>(blk);
         const uint8_t* wq = Q4 ? unpacked + 512 * b : blk + 32;
         int32_t* cb = products + b * kGroup * kGroup;
+// cb = the block's x rows (tile A) . its weights (tile B), through tile C (tile numbers must be literals)
+#define EAGLE_TILE_PRODUCTS(C, A, B)                   \
+  _tile_loadd(B, wq, 64);                              \
+  _tile_loadd(A, xrows + b * kBlock, K);               \
+  _tile_zero(C);                                       \
+  if constexpr (Q4) _tile_dpbsud(C, A, B);             \
+  else _tile_dpbssd(C, A, B);                          \
+  _tile_stored(C, cb, 64);
         if (!full) {
-          _tile_loadd(4, wq, 64);
-          _tile_loadd(7, xrows + b * kBlock, K);
-          _tile_zero(6);
-          if constexpr (Q4) _tile_dpbsud(6, 7, 4);
-          else _tile_dpbssd(6, 7, 4);
-          _tile_stored(6, cb, 64);
-        } else if (b % 2 == 0) {
-          _tile_loadd(4, wq, 64);
-          _tile_loadd(2, xrows + b * kBlock, K);
-          _tile_zero(0);
-          if constexpr (Q4) _tile_dpbsud(0, 2, 4);
-          else _tile_dpbssd(0, 2, 4);
-          _tile_stored(0, cb, 64);
+          EAGLE_TILE_PRODUCTS(6, 7, 4)
+        } else if (b % 2 == 0) {  // alternate tiles: a block's product need not wait for the last one's store
+          EAGLE_TILE_PRODUCTS(0, 2, 4)
         } else {
-          _tile_loadd(5, wq, 64);
-          _tile_loadd(3, xrows + b * kBlock, K);
-          _tile_zero(1);
-          if constexpr (Q4) _tile_dpbsud(1, 3, 5);
-          else _tile_dpbssd(1, 3, 5);
-          _tile_stored(1, cb, 64);
+          EAGLE_TILE_PRODUCTS(1, 3, 5)
         }
+#undef EAGLE_TILE_PRODUCTS
       }
       if (full) scale_products<Q4, kGroup>(wg, products, xd, xs, nb, kGroup, y + m0 * N + g * kGroup, N);
       else scale_products<Q4, 0>(wg, products, xd, xs, nb, R, y + m0 * N + g * kGroup, N);
