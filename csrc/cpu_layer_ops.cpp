@@ -9,8 +9,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "cpu_ops.h"
 #include "cpu_vec.h"
@@ -30,6 +32,62 @@ void check_rows(const at::Tensor& x, const char* op) {
                     ": x must be float32, bfloat16 or float16, got ", dt);
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.device().is_cpu(), op, ": x must be a CPU tensor [..., H]");
 }
+
+// ---- rms_norm, one row: the residual sum stored in T first (as the unfused `h = h + x` does), the sum of
+// squares in 8 lanes (lane l takes d = l, l + 8, ..., one FMA each) added in hsum8's order, then the
+// normalised row, rounded to T (16-bit T) before the weight multiply. The scalar and AVX2 paths agree bit for bit.
+
+inline float sum_of_squares_tail(const float* lanes_in, const float* v, int64_t from, int64_t H) {
+  float lanes[8];
+  std::copy(lanes_in, lanes_in + 8, lanes);
+  for (int64_t d = from; d < H; ++d) lanes[d % 8] = std::fma(v[d - from], v[d - from], lanes[d % 8]);
+  return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+}
+
+template <typename T>
+void rms_norm_row_scalar(const T* x, const T* w, T* res, T* out, int64_t H, float eps) {
+  if (res) {
+    for (int64_t d = 0; d < H; ++d) res[d] = static_cast<T>(static_cast<float>(res[d]) + static_cast<float>(x[d]));
+    x = res;
+  }
+  std::vector<float> v(H);
+  for (int64_t d = 0; d < H; ++d) v[d] = static_cast<float>(x[d]);
+  const float zeros[8] = {};
+  const float inv = 1.f / std::sqrt(sum_of_squares_tail(zeros, v.data(), 0, H) / static_cast<float>(H) + eps);
+  for (int64_t d = 0; d < H; ++d) {
+    const float normed = v[d] * inv;
+    out[d] = static_cast<T>(round_trip<T>(normed) * static_cast<float>(w[d]));
+  }
+}
+
+#if defined(__x86_64__)
+template <typename T>
+EAGLE_AVX2 void rms_norm_row_avx2(const T* x, const T* w, T* res, T* out, int64_t H, float eps) {
+  using namespace eagle::cpu;
+  const int64_t body = H / 8 * 8;
+  if (res) {
+    for (int64_t d = 0; d < body; d += 8) store8(res + d, _mm256_add_ps(load8(res + d), load8(x + d)));
+    for (int64_t d = body; d < H; ++d) res[d] = static_cast<T>(static_cast<float>(res[d]) + static_cast<float>(x[d]));
+    x = res;
+  }
+  __m256 ss = _mm256_setzero_ps();
+  for (int64_t d = 0; d < body; d += 8) {
+    const __m256 v = load8(x + d);
+    ss = _mm256_fmadd_ps(v, v, ss);
+  }
+  float lanes[8], tail[8];
+  _mm256_storeu_ps(lanes, ss);
+  for (int64_t d = body; d < H; ++d) tail[d - body] = static_cast<float>(x[d]);
+  const float inv = 1.f / std::sqrt(sum_of_squares_tail(lanes, tail, body, H) / static_cast<float>(H) + eps);
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (int64_t d = 0; d < body; d += 8) {
+    store8(out + d, _mm256_mul_ps(round_trip8(_mm256_mul_ps(load8(x + d), vinv), out), load8(w + d)));
+  }
+  for (int64_t d = body; d < H; ++d) {
+    out[d] = static_cast<T>(round_trip<T>(static_cast<float>(x[d]) * inv) * static_cast<float>(w[d]));
+  }
+}
+#endif
 
 }  // namespace
 
@@ -55,23 +113,18 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
     const scalar_t* wp = w.data_ptr<scalar_t>();
     scalar_t* rp = residual ? residual->data_ptr<scalar_t>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
-    constexpr bool kWide = std::is_same_v<scalar_t, float>;
     at::parallel_for(0, rows, kRowsPerTask, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        const scalar_t* src = xp + r * H;
-        if (rp) {  // the sum is stored in the model dtype first, as the unfused `h = h + x` does
-          scalar_t* res = rp + r * H;
-          for (int64_t d = 0; d < H; ++d) res[d] = static_cast<scalar_t>(static_cast<float>(res[d]) + static_cast<float>(src[d]));
-          src = res;
+        scalar_t* res = rp ? rp + r * H : nullptr;
+#if defined(__x86_64__)
+        if constexpr (!std::is_same_v<scalar_t, double>) {
+          if (has_avx2()) {
+            rms_norm_row_avx2(xp + r * H, wp, res, op + r * H, H, static_cast<float>(eps));
+            continue;
+          }
         }
-        float ss = 0.f;
-        for (int64_t d = 0; d < H; ++d) ss += static_cast<float>(src[d]) * static_cast<float>(src[d]);
-        const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
-        scalar_t* o = op + r * H;
-        for (int64_t d = 0; d < H; ++d) {
-          const float normed = static_cast<float>(src[d]) * inv;
-          o[d] = static_cast<scalar_t>((kWide ? normed : round_trip<scalar_t>(normed)) * static_cast<float>(wp[d]));
-        }
+#endif
+        rms_norm_row_scalar(xp + r * H, wp, res, op + r * H, H, static_cast<float>(eps));
       }
     });
   });
@@ -105,6 +158,22 @@ EAGLE_AVX2 void silu_mul_row_avx2(const T* gate, const T* up, T* out, int64_t I)
 }
 #endif
 
+
+#if defined(__x86_64__)
+// RoPE of one head, 8 pairs at a time: the scalar loop's products and sums, unfused (as torch and the Triton
+// kernel compute them; GCC would contract them into FMAs). -> pairs done.
+template <typename T>
+EAGLE_AVX2 __attribute__((optimize("fp-contract=off"))) int64_t rotate_avx2(const T* x, const float* c, const float* s, T* o, int64_t half) {
+  using namespace eagle::cpu;
+  for (int64_t d = 0; d < half; d += 8) {
+    const __m256 a = load8(x + d), b = load8(x + d + half);
+    store8(o + d, _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(c + d)), _mm256_mul_ps(b, _mm256_loadu_ps(s + d))));
+    store8(o + d + half, _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(c + d + half)),
+                                       _mm256_mul_ps(a, _mm256_loadu_ps(s + d + half))));
+  }
+  return half;
+}
+#endif
 }  // namespace
 
 namespace eagle::cpu {
@@ -174,7 +243,13 @@ at::Tensor rope_write_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in, con
     const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
     scalar_t *qp = q.data_ptr<scalar_t>(), *kp = k_cache.data_ptr<scalar_t>(), *vp = v_cache.data_ptr<scalar_t>();
     auto rotate = [&](const scalar_t* x, const float* c, const float* s, scalar_t* o) {
-      for (int64_t d = 0; d < half; ++d) {
+      int64_t d = 0;
+#if defined(__x86_64__)
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        if (half % 8 == 0 && eagle::cpu::has_avx2()) d = rotate_avx2(x, c, s, o, half);
+      }
+#endif
+      for (; d < half; ++d) {
         const float a = static_cast<float>(x[d]), b = static_cast<float>(x[d + half]);
         o[d] = static_cast<scalar_t>(a * c[d] - b * s[d]);
         o[d + half] = static_cast<scalar_t>(b * c[d + half] + a * s[d + half]);
