@@ -331,32 +331,32 @@ void store_row(const float* acc, const float* p, int64_t count, int64_t D, T* ou
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(acc[d] * inv);
 }
 
-// Scalar path (no AVX2, or a head size other than 64 / 128): one task per (new token, kv head).
+// Scalar path (no AVX2, or a head size other than 64 / 128): one task per (new token, kv head); tasks [begin, end).
 template <typename T>
-void run_scalar(const T* qp, const T* kc, const T* vc, const int32_t* tables, const std::vector<int64_t>& seq_of,
-                const int32_t* cu, const int32_t* prefix, const int32_t* mask, const Layout& L, T* op) {
-  at::parallel_for(0, L.T * L.Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(L.G * L.D), acc(L.G * L.D), scores;
-    std::vector<int64_t> rows;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / L.Hkv, h = task % L.Hkv, b = seq_of[t];
-      rows.clear();
-      append_prefix_rows(tables + b * L.max_blocks, prefix[b], h, L, rows);
-      append_new_rows(tables + b * L.max_blocks, prefix[b], cu[b + 1] - cu[b], t - cu[b],
-                      mask ? mask + t * L.mask_words : nullptr, h, L, rows);
-      const int64_t count = rows.size();
-      scores.resize(L.G * count);
-      const T* qt = qp + (t * L.Hq + h * L.G) * L.D;  // the group's q heads are adjacent
-      for (int64_t e = 0; e < L.G * L.D; ++e) qf[e] = static_cast<float>(qt[e]) * L.scale;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      attend_scalar(qf.data(), kc, vc, rows, L, scores.data(), acc.data());
-      for (int64_t g = 0; g < L.G; ++g)
-        store_row(acc.data() + g * L.D, scores.data() + g * count, count, L.D, op + (t * L.Hq + h * L.G + g) * L.D);
-    }
-  });
+void scalar_tasks(const T* qp, const T* kc, const T* vc, const int32_t* tables, const std::vector<int64_t>& seq_of,
+                  const int32_t* cu, const int32_t* prefix, const int32_t* mask, const Layout& L, T* op,
+                  int64_t begin, int64_t end) {
+  thread_local std::vector<float> qf, acc, scores;
+  thread_local std::vector<int64_t> rows;
+  qf.resize(L.G * L.D);
+  acc.resize(L.G * L.D);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t t = task / L.Hkv, h = task % L.Hkv, b = seq_of[t];
+    rows.clear();
+    append_prefix_rows(tables + b * L.max_blocks, prefix[b], h, L, rows);
+    append_new_rows(tables + b * L.max_blocks, prefix[b], cu[b + 1] - cu[b], t - cu[b],
+                    mask ? mask + t * L.mask_words : nullptr, h, L, rows);
+    const int64_t count = rows.size();
+    scores.resize(L.G * count);
+    const T* qt = qp + (t * L.Hq + h * L.G) * L.D;  // the group's q heads are adjacent
+    for (int64_t e = 0; e < L.G * L.D; ++e) qf[e] = static_cast<float>(qt[e]) * L.scale;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    attend_scalar(qf.data(), kc, vc, rows, L, scores.data(), acc.data());
+    for (int64_t g = 0; g < L.G; ++g)
+      store_row(acc.data() + g * L.D, scores.data() + g * count, count, L.D, op + (t * L.Hq + h * L.G + g) * L.D);
+  }
 }
 
-#if defined(__x86_64__)
 struct GroupTask {
   int64_t b, h, r0, r1;  // sequence, kv head, query rows [r0, r1) of that sequence (row = token * G + head)
 };
@@ -375,70 +375,54 @@ std::vector<GroupTask> group_tasks(const int32_t* cu, int64_t B, const Layout& L
   return tasks;
 }
 
-template <typename T>
-void run_grouped(const T* qp, const T* kc, const T* vc, const int32_t* tables, const int32_t* cu,
-                 const int32_t* prefix, const int32_t* mask, const Layout& L, int64_t B, T* op) {
-  const std::vector<GroupTask> tasks = group_tasks(cu, B, L);
-  at::parallel_for(0, tasks.size(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, acc, scores, buf(kKeyBlock * L.D);
-    std::vector<int64_t> prefix_rows;
-    std::vector<std::vector<int64_t>> extra;
-    std::vector<RowKeys> keys;
-    for (int64_t k = begin; k < end; ++k) {
-      const GroupTask& task = tasks[k];
-      const int64_t n = cu[task.b + 1] - cu[task.b], P = prefix[task.b], R = task.r1 - task.r0;
-      const int32_t* table = tables + task.b * L.max_blocks;
-      prefix_rows.clear();
-      append_prefix_rows(table, P, task.h, L, prefix_rows);
-      const int64_t i0 = task.r0 / L.G, i1 = (task.r1 - 1) / L.G + 1;  // the task's new tokens
-      extra.resize(i1 - i0);
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t t = cu[task.b] + i;
-        extra[i - i0].clear();
-        append_new_rows(table, P, n, i, mask ? mask + t * L.mask_words : nullptr, task.h, L, extra[i - i0]);
-      }
-      qf.resize(R * L.D);
-      keys.resize(R);
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t i = (task.r0 + r) / L.G, g = (task.r0 + r) % L.G;
-        const T* qt = qp + ((cu[task.b] + i) * L.Hq + task.h * L.G + g) * L.D;
-        for (int64_t d = 0; d < L.D; ++d) qf[r * L.D + d] = static_cast<float>(qt[d]) * L.scale;
-        const auto& e = extra[i - i0];
-        keys[r] = {P + static_cast<int64_t>(e.size()), e.data(), static_cast<int64_t>(e.size())};
-      }
-      const int64_t stride = P + n;
-      scores.resize(R * stride);
-      acc.assign(R * L.D, 0.f);
-      if (L.D == 64) attend_group_avx2<T, 8>(qf.data(), R, kc, vc, prefix_rows, keys, stride, scores.data(),
-                                             acc.data(), buf.data());
-      else attend_group_avx2<T, 16>(qf.data(), R, kc, vc, prefix_rows, keys, stride, scores.data(), acc.data(),
-                                    buf.data());
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t i = (task.r0 + r) / L.G, g = (task.r0 + r) % L.G;
-        store_row(acc.data() + r * L.D, scores.data() + r * stride, keys[r].count, L.D,
-                  op + ((cu[task.b] + i) * L.Hq + task.h * L.G + g) * L.D);
-      }
-    }
-  });
-}
-#endif
-
-template <typename T>
-void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* tables,
-         const std::vector<int64_t>& seq_of, const int32_t* cu, const int32_t* prefix, const int32_t* mask,
-         const Layout& L, int64_t B, at::Tensor& out) {
-  const T* qp = q.data_ptr<T>();
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
-  T* op = out.data_ptr<T>();
 #if defined(__x86_64__)
-  if (has_avx2() && (L.D == 64 || L.D == 128)) {  // the head sizes of the supported models
-    run_grouped(qp, kc, vc, tables, cu, prefix, mask, L, B, op);
-    return;
+// Tasks [begin, end) of group_tasks' list.
+template <typename T>
+void grouped_tasks(const std::vector<GroupTask>& tasks, const T* qp, const T* kc, const T* vc, const int32_t* tables,
+                   const int32_t* cu, const int32_t* prefix, const int32_t* mask, const Layout& L, T* op,
+                   int64_t begin, int64_t end) {
+  thread_local std::vector<float> qf, acc, scores, buf;
+  thread_local std::vector<int64_t> prefix_rows;
+  thread_local std::vector<std::vector<int64_t>> extra;
+  thread_local std::vector<RowKeys> keys;
+  buf.resize(kKeyBlock * L.D);
+  for (int64_t k = begin; k < end; ++k) {
+    const GroupTask& task = tasks[k];
+    const int64_t n = cu[task.b + 1] - cu[task.b], P = prefix[task.b], R = task.r1 - task.r0;
+    const int32_t* table = tables + task.b * L.max_blocks;
+    prefix_rows.clear();
+    append_prefix_rows(table, P, task.h, L, prefix_rows);
+    const int64_t i0 = task.r0 / L.G, i1 = (task.r1 - 1) / L.G + 1;  // the task's new tokens
+    extra.resize(i1 - i0);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = cu[task.b] + i;
+      extra[i - i0].clear();
+      append_new_rows(table, P, n, i, mask ? mask + t * L.mask_words : nullptr, task.h, L, extra[i - i0]);
+    }
+    qf.resize(R * L.D);
+    keys.resize(R);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t i = (task.r0 + r) / L.G, g = (task.r0 + r) % L.G;
+      const T* qt = qp + ((cu[task.b] + i) * L.Hq + task.h * L.G + g) * L.D;
+      for (int64_t d = 0; d < L.D; ++d) qf[r * L.D + d] = static_cast<float>(qt[d]) * L.scale;
+      const auto& e = extra[i - i0];
+      keys[r] = {P + static_cast<int64_t>(e.size()), e.data(), static_cast<int64_t>(e.size())};
+    }
+    const int64_t stride = P + n;
+    scores.resize(R * stride);
+    acc.assign(R * L.D, 0.f);
+    if (L.D == 64) attend_group_avx2<T, 8>(qf.data(), R, kc, vc, prefix_rows, keys, stride, scores.data(),
+                                           acc.data(), buf.data());
+    else attend_group_avx2<T, 16>(qf.data(), R, kc, vc, prefix_rows, keys, stride, scores.data(), acc.data(),
+                                  buf.data());
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t i = (task.r0 + r) / L.G, g = (task.r0 + r) % L.G;
+      store_row(acc.data() + r * L.D, scores.data() + r * stride, keys[r].count, L.D,
+                op + ((cu[task.b] + i) * L.Hq + task.h * L.G + g) * L.D);
+    }
   }
-#endif
-  run_scalar(qp, kc, vc, tables, seq_of, cu, prefix, mask, L, op);
 }
+#endif
 
 // Each check returns the first problem as "paged_attention: ..." (the Python launchers' messages), or ""
 // when all is well; they never throw, so the `paged_attention_errors` op can hand the message to Python.
@@ -519,30 +503,80 @@ std::string paged_attention_errors_cpu(const at::Tensor& q, const at::Tensor& k_
 
 namespace eagle::cpu {
 
-at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables_in, const at::Tensor& cu_in,
-                           const at::Tensor& prefix_in, const c10::optional<at::Tensor>& tree_mask_in,
-                           c10::optional<double> scale) {
-  Layout L{};
-  const std::string arg_err = arg_error(q_in, k_cache, v_cache, block_tables_in, cu_in, prefix_in, tree_mask_in, L);
+struct AttentionTasks::Impl {
+  Layout L;
+  at::Tensor tables_t, cu_t, prefix_t, mask_t;  // contiguous copies (or the tensors themselves), kept alive
+  const int32_t *tables, *cu, *prefix, *mask;
+  std::vector<int64_t> seq_of;
+  bool grouped = false;
+  std::vector<GroupTask> tasks;  // the grouped path's (else one task per new token and kv head)
+
+  template <typename T>
+  void run(const T* q, const T* kc, const T* vc, T* out, int64_t t0, int64_t t1) const {
+#if defined(__x86_64__)
+    if (grouped) return grouped_tasks(tasks, q, kc, vc, tables, cu, prefix, mask, L, out, t0, t1);
+#endif
+    scalar_tasks(q, kc, vc, tables, seq_of, cu, prefix, mask, L, out, t0, t1);
+  }
+};
+
+AttentionTasks::AttentionTasks(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                               const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                               const at::Tensor& prefix_lens, const c10::optional<at::Tensor>& tree_mask,
+                               c10::optional<double> scale) {
+  auto impl = std::make_shared<Impl>();
+  Layout& L = impl->L;
+  const std::string arg_err = arg_error(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, L);
   TORCH_CHECK_VALUE(arg_err.empty(), arg_err);
   L.scale = scale ? static_cast<float>(*scale) : 1.f / std::sqrt(static_cast<float>(L.D));
-  const at::Tensor q = q_in.contiguous(), bt = block_tables_in.contiguous(), cu_t = cu_in.contiguous(),
-                   pl_t = prefix_in.contiguous();
-  const at::Tensor tm = tree_mask_in ? tree_mask_in->contiguous() : at::Tensor();
-  const int64_t B = bt.size(0);
-  const int32_t *cu = cu_t.data_ptr<int32_t>(), *prefix = pl_t.data_ptr<int32_t>(), *tables = bt.data_ptr<int32_t>();
-  const std::string value_err = value_error(cu, prefix, tables, B, k_cache.size(0), L);
+  impl->tables_t = block_tables.contiguous();
+  impl->cu_t = cu_seqlens_q.contiguous();
+  impl->prefix_t = prefix_lens.contiguous();
+  impl->mask_t = tree_mask ? tree_mask->contiguous() : at::Tensor();
+  impl->tables = impl->tables_t.data_ptr<int32_t>();
+  impl->cu = impl->cu_t.data_ptr<int32_t>();
+  impl->prefix = impl->prefix_t.data_ptr<int32_t>();
+  impl->mask = impl->mask_t.defined() ? impl->mask_t.data_ptr<int32_t>() : nullptr;
+  const int64_t B = impl->tables_t.size(0);
+  const std::string value_err = value_error(impl->cu, impl->prefix, impl->tables, B, k_cache.size(0), L);
   TORCH_CHECK_VALUE(value_err.empty(), value_err);
-  std::vector<int64_t> seq_of(L.T);
-  for (int64_t b = 0; b < B; ++b) std::fill(seq_of.begin() + cu[b], seq_of.begin() + cu[b + 1], b);
-  at::Tensor out = at::empty_like(q);
-  const int32_t* mask = tm.defined() ? tm.data_ptr<int32_t>() : nullptr;
-  switch (q.scalar_type()) {  // the three dtypes arg_error admits
-    case at::kFloat: run<float>(q, k_cache, v_cache, tables, seq_of, cu, prefix, mask, L, B, out); break;
-    case at::kBFloat16: run<c10::BFloat16>(q, k_cache, v_cache, tables, seq_of, cu, prefix, mask, L, B, out); break;
-    default: run<c10::Half>(q, k_cache, v_cache, tables, seq_of, cu, prefix, mask, L, B, out);
+#if defined(__x86_64__)
+  impl->grouped = has_avx2() && (L.D == 64 || L.D == 128);  // the head sizes of the supported models
+  if (impl->grouped) impl->tasks = group_tasks(impl->cu, B, L);
+#endif
+  if (!impl->grouped) {
+    impl->seq_of.resize(L.T);
+    for (int64_t b = 0; b < B; ++b) std::fill(impl->seq_of.begin() + impl->cu[b], impl->seq_of.begin() + impl->cu[b + 1], b);
   }
+  impl_ = std::move(impl);
+}
+
+int64_t AttentionTasks::size() const {
+  return impl_->grouped ? static_cast<int64_t>(impl_->tasks.size()) : impl_->L.T * impl_->L.Hkv;
+}
+
+void AttentionTasks::run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,
+                         int64_t t0, int64_t t1) const {
+  switch (q.scalar_type()) {  // the three dtypes arg_error admits
+    case at::kFloat:
+      return impl_->run(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                        out.data_ptr<float>(), t0, t1);
+    case at::kBFloat16:
+      return impl_->run(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(),
+                        v_cache.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), t0, t1);
+    default:
+      return impl_->run(q.data_ptr<c10::Half>(), k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>(),
+                        out.data_ptr<c10::Half>(), t0, t1);
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& cu, const at::Tensor& prefix,
+                           const c10::optional<at::Tensor>& tree_mask, c10::optional<double> scale) {
+  const AttentionTasks tasks(q_in, k_cache, v_cache, block_tables, cu, prefix, tree_mask, scale);
+  const at::Tensor q = q_in.contiguous();
+  at::Tensor out = at::empty_like(q);
+  at::parallel_for(0, tasks.size(), 1, [&](int64_t t0, int64_t t1) { tasks.run(q, k_cache, v_cache, out, t0, t1); });
   return out;
 }
 

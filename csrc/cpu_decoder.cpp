@@ -8,19 +8,201 @@
 // formats: per layer the four linears' formats, 0 = a bf16 [N, K] weight (linear_bf16), 3 / 8 = a Q4_1 / Q8_0
 // weight in eagle_kernels.quant's layout (linear_q). kv: per layer its k and v caches.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <utility>
 #include <vector>
 
 #include "cpu_ops.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t kPerLayer = 6, kLinears = 4;
+constexpr int64_t kQ4_1 = 3, kQ8_0 = 8, kGroup = 16;  // GGML type ids; quantized weights come in groups of 16 rows
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t format) {
   return format == 0 ? eagle::cpu::linear_bf16(x, w) : eagle::cpu::linear_q(x, w, format);
+}
+
+// Layer k of `capture`'s input (hidden + delta, rounded once, as at::add does) for every token, into row
+// slots[t] of `into` [slots, width] at column k * H.
+void capture_rows(const at::BFloat16* hidden, const at::BFloat16* delta, int64_t T, int64_t H, const int64_t* slots,
+                  int64_t k, at::BFloat16* into, int64_t width) {
+  for (int64_t t = 0; t < T; ++t) {
+    at::BFloat16* row = into + slots[t] * width + k * H;
+    for (int64_t j = 0; j < H; ++j) {
+      row[j] = delta ? at::BFloat16(static_cast<float>(hidden[t * H + j]) + static_cast<float>(delta[t * H + j]))
+                     : hidden[t * H + j];
+    }
+  }
+}
+
+// ---- Small steps with quantized weights: one parallel region for the whole stack ----
+//
+// A decode step's layer is ~2 MB of weights in four linears and a few microseconds of other work; run op by
+// op, each linear and the attention open a parallel region (~1 us each), every op allocates its output, and
+// the norms, RoPE and SiLU run on one thread while the other waits. Here the threads enter one region for all
+// layers and meet at spin barriers between phases that each split their work (linear output groups, RoPE
+// heads, attention tasks; the gate and up rows of the same columns go to one thread, which applies SiLU to
+// them at once). Every output element is computed by the same kernel code as in the op-by-op path, so the
+// results are bit-identical whatever the thread count.
+
+class SpinBarrier {
+ public:
+  void wait(int threads) {
+    if (threads == 1) return;
+    const int phase = phase_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == threads - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      phase_.store(phase + 1, std::memory_order_release);
+      return;
+    }
+    while (phase_.load(std::memory_order_acquire) == phase) {
+#if defined(__x86_64__)
+      _mm_pause();
+#endif
+    }
+  }
+
+ private:
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<int> phase_{0};
+};
+
+// Thread tid's contiguous share of n items.
+std::pair<int64_t, int64_t> share(int64_t n, int tid, int threads) {
+  const int64_t chunk = (n + threads - 1) / threads;
+  return {std::min(n, tid * chunk), std::min(n, (tid + 1) * chunk)};
+}
+
+int64_t quantized_row_bytes(int64_t format, int64_t K) { return K / 32 * kGroup * (format == kQ4_1 ? 20 : 34); }
+
+bool is_bf16_vector(const at::Tensor& t, int64_t n) {
+  return t.dim() == 1 && t.size(0) == n && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.device().is_cpu();
+}
+
+// Whether the one-region path can run these arguments; anything it does not take (bf16 weights, captured inputs
+// returned as tensors, odd shapes, bad arguments) goes op by op, whose ops report bad arguments.
+bool fits_one_region(const at::Tensor& hidden, at::TensorList weights, at::IntArrayRef formats, const at::Tensor& cos,
+                     const at::Tensor& sin, at::TensorList kv, const at::Tensor& slot_mapping, int64_t Hq,
+                     at::IntArrayRef capture, bool into) {
+  const int64_t L = static_cast<int64_t>(kv.size()) / 2, T = hidden.size(0), H = hidden.size(1);
+  if (hidden.scalar_type() != at::kBFloat16 || (!capture.empty() && !into) || T == 0) return false;
+  const at::Tensor& k0 = kv[0];
+  if (k0.dim() != 4 || Hq <= 0 || k0.size(2) <= 0 || Hq % k0.size(2) != 0) return false;
+  const int64_t Hkv = k0.size(2), D = k0.size(3), slots = k0.size(0) * k0.size(1);
+  for (const at::Tensor& c : kv) {
+    if (c.sizes() != k0.sizes() || c.scalar_type() != at::kBFloat16 || !c.is_contiguous() || !c.device().is_cpu())
+      return false;
+  }
+  for (const at::Tensor* t : {&cos, &sin}) {
+    if (t->scalar_type() != at::kFloat || !t->is_contiguous() || t->sizes() != at::IntArrayRef({T, D})) return false;
+  }
+  if (slot_mapping.scalar_type() != at::kLong || !slot_mapping.is_contiguous() || slot_mapping.numel() != T) return false;
+  const int64_t* sp = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    if (sp[t] < 0 || sp[t] >= slots) return false;
+  }
+  const at::Tensor& gate_up = weights[4];
+  const int64_t I = gate_up.dim() == 2 ? gate_up.size(0) * kGroup / 2 : 0;
+  if (H % 32 || (Hq * D) % 32 || I % kGroup || I == 0) return false;
+  const int64_t shapes[kLinears][2] = {{H, (Hq + 2 * Hkv) * D}, {Hq * D, H}, {H, 2 * I}, {I, H}};  // K, N
+  for (int64_t i = 0; i < L; ++i) {
+    const at::Tensor* w = weights.data() + kPerLayer * i;
+    if (!is_bf16_vector(w[0], H) || !is_bf16_vector(w[3], H)) return false;
+    const at::Tensor* linears[kLinears] = {&w[1], &w[2], &w[4], &w[5]};
+    for (int64_t j = 0; j < kLinears; ++j) {
+      const int64_t f = formats[kLinears * i + j], K = shapes[j][0], N = shapes[j][1];
+      const at::Tensor& m = *linears[j];
+      if ((f != kQ4_1 && f != kQ8_0) || m.dim() != 2 || m.scalar_type() != at::kByte || !m.is_contiguous() ||
+          !m.device().is_cpu() || m.size(0) * kGroup != N || m.size(1) != quantized_row_bytes(f, K))
+        return false;
+    }
+  }
+  return is_bf16_vector(weights.back(), H);
+}
+
+// The stack over `hidden` (see decoder_layers) in one parallel region; -> the last layer's MLP output [T, H],
+// not yet added to `hidden`.
+at::Tensor one_region(at::Tensor& hidden, at::TensorList weights, at::IntArrayRef formats, double eps_d,
+                      const at::Tensor& cos, const at::Tensor& sin, at::TensorList kv, const at::Tensor& slot_mapping,
+                      const eagle::cpu::AttentionTasks& tasks, int64_t Hq, at::IntArrayRef capture,
+                      const c10::optional<at::Tensor>& capture_into) {
+  using at::BFloat16;
+  const int64_t L = static_cast<int64_t>(kv.size()) / 2, T = hidden.size(0), H = hidden.size(1);
+  const int64_t Hkv = kv[0].size(2), D = kv[0].size(3), Nqkv = (Hq + 2 * Hkv) * D, I = weights[4].size(0) * kGroup / 2;
+  const float eps = static_cast<float>(eps_d);
+  const auto opts = hidden.options();
+  at::Tensor x = at::empty({T, H}, opts), qkv = at::empty({T, Nqkv}, opts), q = at::empty({T, Hq, D}, opts),
+             attn = at::empty({T, Hq, D}, opts), o = at::empty({T, H}, opts), gate_up = at::empty({T, 2 * I}, opts),
+             act = at::empty({T, I}, opts), delta = at::empty({T, H}, opts);
+  BFloat16 *hp = hidden.data_ptr<BFloat16>(), *xp = x.data_ptr<BFloat16>(), *qkvp = qkv.data_ptr<BFloat16>(),
+           *qp = q.data_ptr<BFloat16>(), *attnp = attn.data_ptr<BFloat16>(), *op = o.data_ptr<BFloat16>(),
+           *gup = gate_up.data_ptr<BFloat16>(), *actp = act.data_ptr<BFloat16>(), *dp = delta.data_ptr<BFloat16>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  BFloat16* into = capture_into.has_value() ? capture_into->data_ptr<BFloat16>() : nullptr;
+  const int64_t width = capture_into.has_value() ? capture_into->size(1) : 0;
+  std::vector<const BFloat16*> norms;
+  std::vector<const uint8_t*> mats;
+  for (int64_t i = 0; i < L; ++i) {
+    const at::Tensor* w = weights.data() + kPerLayer * i;
+    norms.insert(norms.end(), {w[0].data_ptr<BFloat16>(), w[3].data_ptr<BFloat16>()});
+    mats.insert(mats.end(), {w[1].data_ptr<uint8_t>(), w[2].data_ptr<uint8_t>(), w[4].data_ptr<uint8_t>(),
+                             w[5].data_ptr<uint8_t>()});
+  }
+  const int64_t units = T * (Hq + Hkv);
+  SpinBarrier barrier;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int n = omp_get_num_threads(), tid = omp_get_thread_num();
+    // y [T, N] = x [T, K] @ linear j of layer i, this thread's output groups
+    auto linear = [&](const BFloat16* in, int64_t K, int64_t i, int64_t j, int64_t N, BFloat16* y) {
+      eagle::cpu::quantize_activations(in, T, K);
+      const auto [g0, g1] = share(N / kGroup, tid, n);
+      eagle::cpu::linear_q_groups(mats[kLinears * i + j], formats[kLinears * i + j], T, N, g0, g1, y);
+    };
+    for (int64_t i = 0; i < L; ++i) {
+      if (tid == 0) {
+        const auto k = std::find(capture.begin(), capture.end(), i) - capture.begin();
+        if (k < static_cast<int64_t>(capture.size())) capture_rows(hp, i ? dp : nullptr, T, H, slots, k, into, width);
+        eagle::cpu::rms_norm_rows(i ? dp : hp, norms[2 * i], i ? hp : nullptr, xp, T, H, eps);
+      }
+      barrier.wait(n);
+      linear(xp, H, i, 0, Nqkv, qkvp);
+      barrier.wait(n);
+      const auto [u0, u1] = share(units, tid, n);
+      eagle::cpu::rope_write_kv_units(qkvp, cp, sp, kv[2 * i].data_ptr<BFloat16>(), kv[2 * i + 1].data_ptr<BFloat16>(),
+                                      slots, Hq, Hkv, D, qp, u0, u1);
+      barrier.wait(n);
+      const auto [a0, a1] = share(tasks.size(), tid, n);
+      tasks.run(q, kv[2 * i], kv[2 * i + 1], attn, a0, a1);
+      barrier.wait(n);
+      linear(attnp, Hq * D, i, 1, H, op);
+      barrier.wait(n);
+      if (tid == 0) eagle::cpu::rms_norm_rows(op, norms[2 * i + 1], hp, xp, T, H, eps);
+      barrier.wait(n);
+      eagle::cpu::quantize_activations(xp, T, H);  // gate rows [g0, g1) and the up rows of the same columns
+      const auto [g0, g1] = share(I / kGroup, tid, n);
+      const uint8_t* w = mats[kLinears * i + 2];
+      const int64_t f = formats[kLinears * i + 2];
+      eagle::cpu::linear_q_groups(w, f, T, 2 * I, g0, g1, gup);
+      eagle::cpu::linear_q_groups(w, f, T, 2 * I, I / kGroup + g0, I / kGroup + g1, gup);
+      eagle::cpu::silu_and_mul_columns(gup, T, I, g0 * kGroup, g1 * kGroup, actp);
+      barrier.wait(n);
+      linear(actp, I, i, 3, H, dp);
+      barrier.wait(n);
+    }
+  }
+  return delta;
 }
 
 // -> (final_norm(hidden after the last layer) [T, H], the inputs of the layers in `capture`; none when
@@ -56,22 +238,21 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
     }
   }
   std::vector<at::Tensor> captured;
+  if (fits_one_region(hidden, weights, formats, cos, sin, kv, slot_mapping, num_q_heads, capture, slots != nullptr)) {
+    const eagle::cpu::AttentionTasks tasks(at::empty({T, num_q_heads, kv[0].size(3)}, hidden.options()), kv[0], kv[1],
+                                           block_tables, cu_seqlens_q, prefix_lens, tree_mask, c10::nullopt);
+    const at::Tensor delta = one_region(hidden, weights, formats, eps, cos, sin, kv, slot_mapping, tasks, num_q_heads,
+                                        capture, capture_into);
+    return {eagle::cpu::rms_norm(delta, weights.back(), eps, hidden), captured};
+  }
   at::Tensor delta;  // the previous layer's MLP output, not yet added to `hidden`
   for (int64_t i = 0; i < L; ++i) {
     const at::Tensor* w = weights.data() + kPerLayer * i;
     const int64_t* f = formats.data() + kLinears * i;
     const auto k = std::find(capture.begin(), capture.end(), i) - capture.begin();
-    if (k < static_cast<int64_t>(capture.size()) && slots) {  // hidden + delta, rounded once, as at::add does
-      const at::BFloat16* h = hidden.data_ptr<at::BFloat16>();
-      const at::BFloat16* d = delta.defined() ? delta.data_ptr<at::BFloat16>() : nullptr;
-      at::BFloat16* out = capture_into->data_ptr<at::BFloat16>();
-      const int64_t width = capture_into->size(1);
-      for (int64_t t = 0; t < T; ++t) {
-        at::BFloat16* row = out + slots[t] * width + k * H;
-        for (int64_t j = 0; j < H; ++j) {
-          row[j] = d ? at::BFloat16(static_cast<float>(h[t * H + j]) + static_cast<float>(d[t * H + j])) : h[t * H + j];
-        }
-      }
+    if (k < static_cast<int64_t>(capture.size()) && slots) {
+      capture_rows(hidden.data_ptr<at::BFloat16>(), delta.defined() ? delta.data_ptr<at::BFloat16>() : nullptr, T, H,
+                   slots, k, capture_into->data_ptr<at::BFloat16>(), capture_into->size(1));
     } else if (k < static_cast<int64_t>(capture.size())) {
       captured.push_back(delta.defined() ? hidden + delta : hidden.clone());
     }

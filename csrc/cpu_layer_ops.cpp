@@ -174,6 +174,34 @@ EAGLE_AVX2 __attribute__((optimize("fp-contract=off"))) int64_t rotate_avx2(cons
   return half;
 }
 #endif
+
+template <typename T>
+void rotate_head(const T* x, const float* c, const float* s, T* o, int64_t half) {
+  int64_t d = 0;
+#if defined(__x86_64__)
+  if constexpr (!std::is_same_v<T, double>) {
+    if (half % 8 == 0 && eagle::cpu::has_avx2()) d = rotate_avx2(x, c, s, o, half);
+  }
+#endif
+  for (; d < half; ++d) {
+    const float a = static_cast<float>(x[d]), b = static_cast<float>(x[d + half]);
+    o[d] = static_cast<T>(a * c[d] - b * s[d]);
+    o[d + half] = static_cast<T>(b * c[d + half] + a * s[d + half]);
+  }
+}
+
+// One unit of rope_write_kv (see cpu_ops.h): a q head of token t, or a kv head's k (rotated) and v (copied).
+template <typename T>
+void rope_unit(const T* qkv, const float* cos, const float* sin, T* k_cache, T* v_cache, const int64_t* slots,
+               int64_t Hq, int64_t Hkv, int64_t D, T* q, int64_t unit) {
+  const int64_t t = unit / (Hq + Hkv), h = unit % (Hq + Hkv);
+  const T* row = qkv + t * (Hq + 2 * Hkv) * D;
+  const float *c = cos + t * D, *s = sin + t * D;
+  if (h < Hq) return rotate_head(row + h * D, c, s, q + (t * Hq + h) * D, D / 2);
+  T* k = k_cache + (slots[t] * Hkv + h - Hq) * D;
+  rotate_head(row + h * D, c, s, k, D / 2);
+  std::copy(row + (h + Hkv) * D, row + (h + Hkv + 1) * D, v_cache + (slots[t] * Hkv + h - Hq) * D);
+}
 }  // namespace
 
 namespace eagle::cpu {
@@ -237,36 +265,51 @@ at::Tensor rope_write_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in, con
                       " is outside the cache's ", slots, " slots");
   }
   at::Tensor q = at::empty({T, Hq, D}, qkv.options());
-  const int64_t half = D / 2;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_write_kv_cpu", [&] {
     const scalar_t* xp = qkv.data_ptr<scalar_t>();
     const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
     scalar_t *qp = q.data_ptr<scalar_t>(), *kp = k_cache.data_ptr<scalar_t>(), *vp = v_cache.data_ptr<scalar_t>();
-    auto rotate = [&](const scalar_t* x, const float* c, const float* s, scalar_t* o) {
-      int64_t d = 0;
-#if defined(__x86_64__)
-      if constexpr (!std::is_same_v<scalar_t, double>) {
-        if (half % 8 == 0 && eagle::cpu::has_avx2()) d = rotate_avx2(x, c, s, o, half);
-      }
-#endif
-      for (; d < half; ++d) {
-        const float a = static_cast<float>(x[d]), b = static_cast<float>(x[d + half]);
-        o[d] = static_cast<scalar_t>(a * c[d] - b * s[d]);
-        o[d + half] = static_cast<scalar_t>(b * c[d + half] + a * s[d + half]);
-      }
-    };
-    at::parallel_for(0, T, kRowsPerTask, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const scalar_t* row = xp + t * (Hq + 2 * Hkv) * D;
-        const float *c = cp + t * D, *s = snp + t * D;
-        for (int64_t h = 0; h < Hq; ++h) rotate(row + h * D, c, s, qp + (t * Hq + h) * D);
-        scalar_t *kdst = kp + sp[t] * Hkv * D, *vdst = vp + sp[t] * Hkv * D;
-        for (int64_t h = 0; h < Hkv; ++h) rotate(row + (Hq + h) * D, c, s, kdst + h * D);
-        std::copy(row + (Hq + Hkv) * D, row + (Hq + 2 * Hkv) * D, vdst);
-      }
+    at::parallel_for(0, T * (Hq + Hkv), kRowsPerTask * (Hq + Hkv), [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1; ++u) rope_unit(xp, cp, snp, kp, vp, sp, Hq, Hkv, D, qp, u);
     });
   });
   return q;
+}
+
+void rms_norm_rows(const at::BFloat16* x, const at::BFloat16* weight, at::BFloat16* residual, at::BFloat16* out,
+                   int64_t rows, int64_t H, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    at::BFloat16* res = residual ? residual + r * H : nullptr;
+#if defined(__x86_64__)
+    if (has_avx2()) {
+      rms_norm_row_avx2(x + r * H, weight, res, out + r * H, H, eps);
+      continue;
+    }
+#endif
+    rms_norm_row_scalar(x + r * H, weight, res, out + r * H, H, eps);
+  }
+}
+
+// c0 and c1 multiples of 8 (or c1 = I): each column then takes the path (SIMD or scalar exp) it takes in the op.
+void silu_and_mul_columns(const at::BFloat16* gate_up, int64_t rows, int64_t I, int64_t c0, int64_t c1,
+                          at::BFloat16* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const at::BFloat16 *gate = gate_up + r * 2 * I + c0, *up = gate + I;
+    at::BFloat16* o = out + r * I + c0;
+#if defined(__x86_64__)
+    if (has_avx2()) {
+      silu_mul_row_avx2(gate, up, o, c1 - c0);
+      continue;
+    }
+#endif
+    silu_mul_row_scalar(gate, up, o, c1 - c0, 0);
+  }
+}
+
+void rope_write_kv_units(const at::BFloat16* qkv, const float* cos, const float* sin, at::BFloat16* k_cache,
+                         at::BFloat16* v_cache, const int64_t* slots, int64_t Hq, int64_t Hkv, int64_t D,
+                         at::BFloat16* q, int64_t u0, int64_t u1) {
+  for (int64_t u = u0; u < u1; ++u) rope_unit(qkv, cos, sin, k_cache, v_cache, slots, Hq, Hkv, D, q, u);
 }
 
 }  // namespace eagle::cpu

@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <memory>
+
 namespace eagle::cpu {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
@@ -17,5 +19,40 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            c10::optional<double> scale);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w);
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype);
+
+// ---- pieces of those ops, for callers that split a step's work among their own threads (decoder_layers) ----
+// None allocates or throws; each computes exactly what its op computes for the rows / columns / tasks given.
+
+// paged_attention's work as tasks: built once per step from the metadata (checked as paged_attention checks
+// it, against k_cache's geometry); run() does tasks [t0, t1) for any layer's caches of that geometry.
+class AttentionTasks {
+ public:
+  AttentionTasks(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& prefix_lens,
+                 const c10::optional<at::Tensor>& tree_mask, c10::optional<double> scale);
+  int64_t size() const;
+  void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out, int64_t t0,
+           int64_t t1) const;
+
+ private:
+  struct Impl;
+  std::shared_ptr<const Impl> impl_;
+};
+
+// rms_norm of `rows` bf16 rows [rows, H] into out, adding x into `residual` first when it is given.
+void rms_norm_rows(const at::BFloat16* x, const at::BFloat16* weight, at::BFloat16* residual, at::BFloat16* out,
+                   int64_t rows, int64_t H, float eps);
+// silu_and_mul's columns [c0, c1) of every row: gate_up [rows, 2I] -> out [rows, I].
+void silu_and_mul_columns(const at::BFloat16* gate_up, int64_t rows, int64_t I, int64_t c0, int64_t c1,
+                          at::BFloat16* out);
+// rope_write_kv for units [u0, u1) of T x (Hq + Hkv) (unit t * (Hq + Hkv) + h: q head h < Hq, else kv head
+// h - Hq, whose k is rotated and v copied into the caches at slots[t]); cos, sin fp32 [T, D]; q out [T, Hq, D].
+void rope_write_kv_units(const at::BFloat16* qkv, const float* cos, const float* sin, at::BFloat16* k_cache,
+                         at::BFloat16* v_cache, const int64_t* slots, int64_t Hq, int64_t Hkv, int64_t D,
+                         at::BFloat16* q, int64_t u0, int64_t u1);
+// linear_q in two steps: x [M, K] quantized into the calling thread's scratch, then the output columns of
+// groups [g0, g1) (16 weight rows each) for every row, into y [M, N] (bf16).
+void quantize_activations(const at::BFloat16* x, int64_t M, int64_t K);
+void linear_q_groups(const uint8_t* w, int64_t qtype, int64_t M, int64_t N, int64_t g0, int64_t g1, at::BFloat16* y);
 
 }  // namespace eagle::cpu

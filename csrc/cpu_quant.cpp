@@ -504,6 +504,14 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
   return y;
 }
 
+void quantize_activations(const at::BFloat16* x, int64_t M, int64_t K) { quantize_rows(x, M, K, scratch()); }
+
+void linear_q_groups(const uint8_t* w, int64_t qtype, int64_t M, int64_t N, int64_t g0, int64_t g1, at::BFloat16* y) {
+  const QuantX& xq = scratch();
+  if (qtype == kQ4_1) compute<true>(w, g0, g1, xq, M, N, y);
+  else compute<false>(w, g0, g1, xq, M, N, y);
+}
+
 // Rows `ids` of a quantized [V, K] table (a token's embedding) -> [T, K] in `dtype`: w = d * q (+ m), each an
 // fp32 product (and sum) rounded once to `dtype`, as eagle_kernels.quant.rows computes them.
 at::Tensor embedding_q(const at::Tensor& ids_in, const at::Tensor& w, int64_t qtype, at::ScalarType dtype) {
