@@ -263,6 +263,15 @@ EAGLE_AVX512 void accumulate_value_pairs(const float* p, int64_t stride, int64_t
   if (r < R) accumulate_values<DV>(p + r * stride, stride, 1, nk, [&](int64_t j) { return v + j * D; }, acc + r * D);
 }
 
+// The cache rows of keys [j0, j0 + kKeyBlock) (of P) on their way into L1 while the block before is processed:
+// a step reads each layer's K and V once, from DRAM, in rows scattered over blocks.
+template <typename T>
+EAGLE_AVX2 inline void prefetch_rows(const T* cache, const int64_t* rows, int64_t j0, int64_t P, int64_t D) {
+  for (int64_t j = j0; j < std::min(P, j0 + kKeyBlock); ++j)
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(cache + rows[j]) + b, _MM_HINT_T0);
+}
+
 // q: fp32 [R, D] scaled; scores: [R, stride]; acc: fp32 [R, D] zeroed; buf: fp32 [kKeyBlock, D].
 template <typename T, int DV>
 EAGLE_AVX2 void attend_group_avx2(const float* q, int64_t R, const T* kc, const T* vc,
@@ -272,8 +281,10 @@ EAGLE_AVX2 void attend_group_avx2(const float* q, int64_t R, const T* kc, const 
   const int64_t P = prefix_rows.size();
   const int64_t* pr = prefix_rows.data();
   const bool widen = R >= kWidenRows, z = widen && eagle::cpu::use_avx512();
+  prefetch_rows(kc, pr, 0, P, D);
   for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, P - j0);
+    prefetch_rows(kc, pr, j0 + kKeyBlock, P, D);
     if (z) {
       widen_key_pairs(kc, pr + j0, nk, DV, buf);
       score_key_pairs<DV>(q, R, nk, buf, scores + j0, stride);
@@ -290,8 +301,10 @@ EAGLE_AVX2 void attend_group_avx2(const float* q, int64_t R, const T* kc, const 
                    stride);
     if (own.count) softmax_rows_avx2(scores + r * stride, 1, own.count);
   }
+  prefetch_rows(vc, pr, 0, P, D);
   for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, P - j0);
+    prefetch_rows(vc, pr, j0 + kKeyBlock, P, D);
     if (z) {
       widen_rows(vc, pr + j0, nk, D, buf);
       accumulate_value_pairs<DV>(scores + j0, stride, R, nk, buf, acc);
@@ -361,22 +374,45 @@ struct GroupTask {
   int64_t b, h, r0, r1;  // sequence, kv head, query rows [r0, r1) of that sequence (row = token * G + head)
 };
 
-// Rows of one (sequence, kv head) are split into a few tasks only when there are too few of those pairs to
-// keep every thread busy (batch 1: 3 kv heads on 2 threads); each split re-widens the shared keys.
-std::vector<GroupTask> group_tasks(const int32_t* cu, int64_t B, const Layout& L) {
-  const int64_t threads = at::get_num_threads();
-  const int64_t splits = std::max<int64_t>(1, (2 * threads + B * L.Hkv - 1) / (B * L.Hkv));
+// The grouped path's tasks in `pieces` runs of near-equal work, one per thread: the query rows (sequence, kv
+// head, row) in order, cut where the running sum of their work (a row's keys: its sequence's cached and new
+// tokens) crosses each 1 / pieces of the total. A task is the rows of one (sequence, kv head) within one piece,
+// so a piece reads each kv head's keys once. Piece p holds tasks [starts[p], starts[p + 1]).
+struct TaskList {
   std::vector<GroupTask> tasks;
+  std::vector<int64_t> starts;
+};
+
+TaskList group_tasks(const int32_t* cu, const int32_t* prefix, int64_t B, const Layout& L, int64_t pieces) {
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += (cu[b + 1] - cu[b]) * L.G * L.Hkv * (prefix[b] + cu[b + 1] - cu[b]);
+  TaskList list;
+  list.starts.push_back(0);
+  int64_t piece = 0, done = 0;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t rows = (cu[b + 1] - cu[b]) * L.G, parts = std::min(splits, rows);
-    for (int64_t h = 0; h < L.Hkv; ++h)
-      for (int64_t p = 0; p < parts; ++p) tasks.push_back({b, h, rows * p / parts, rows * (p + 1) / parts});
+    const int64_t n = cu[b + 1] - cu[b], rows = n * L.G, cost = prefix[b] + n;
+    for (int64_t h = 0; h < L.Hkv && rows; ++h) {
+      for (int64_t r = 0; r < rows;) {
+        const int64_t bound = piece + 1 >= pieces ? total : total * (piece + 1) / pieces;
+        const int64_t take = std::min(rows - r, bound > done ? (bound - done + cost - 1) / cost : 0);
+        if (take > 0) {
+          list.tasks.push_back({b, h, r, r + take});
+          r += take;
+          done += take * cost;
+        }
+        if (r < rows) {  // piece full
+          ++piece;
+          list.starts.push_back(list.tasks.size());
+        }
+      }
+    }
   }
-  return tasks;
+  while (static_cast<int64_t>(list.starts.size()) <= pieces) list.starts.push_back(list.tasks.size());
+  return list;
 }
 
 #if defined(__x86_64__)
-// Tasks [begin, end) of group_tasks' list.
+// Tasks [begin, end) of a TaskList.
 template <typename T>
 void grouped_tasks(const std::vector<GroupTask>& tasks, const T* qp, const T* kc, const T* vc, const int32_t* tables,
                    const int32_t* cu, const int32_t* prefix, const int32_t* mask, const Layout& L, T* op,
@@ -509,14 +545,16 @@ struct AttentionTasks::Impl {
   const int32_t *tables, *cu, *prefix, *mask;
   std::vector<int64_t> seq_of;
   bool grouped = false;
-  std::vector<GroupTask> tasks;  // the grouped path's (else one task per new token and kv head)
+  TaskList list;  // the grouped path's pieces (else a unit is one new token and kv head)
 
   template <typename T>
-  void run(const T* q, const T* kc, const T* vc, T* out, int64_t t0, int64_t t1) const {
+  void run(const T* q, const T* kc, const T* vc, T* out, int64_t u0, int64_t u1) const {
 #if defined(__x86_64__)
-    if (grouped) return grouped_tasks(tasks, q, kc, vc, tables, cu, prefix, mask, L, out, t0, t1);
+    if (grouped) {
+      return grouped_tasks(list.tasks, q, kc, vc, tables, cu, prefix, mask, L, out, list.starts[u0], list.starts[u1]);
+    }
 #endif
-    scalar_tasks(q, kc, vc, tables, seq_of, cu, prefix, mask, L, out, t0, t1);
+    scalar_tasks(q, kc, vc, tables, seq_of, cu, prefix, mask, L, out, u0, u1);
   }
 };
 
@@ -542,7 +580,7 @@ AttentionTasks::AttentionTasks(const at::Tensor& q, const at::Tensor& k_cache, c
   TORCH_CHECK_VALUE(value_err.empty(), value_err);
 #if defined(__x86_64__)
   impl->grouped = has_avx2() && (L.D == 64 || L.D == 128);  // the head sizes of the supported models
-  if (impl->grouped) impl->tasks = group_tasks(impl->cu, B, L);
+  if (impl->grouped) impl->list = group_tasks(impl->cu, impl->prefix, B, L, at::get_num_threads());
 #endif
   if (!impl->grouped) {
     impl->seq_of.resize(L.T);
@@ -552,7 +590,7 @@ AttentionTasks::AttentionTasks(const at::Tensor& q, const at::Tensor& k_cache, c
 }
 
 int64_t AttentionTasks::size() const {
-  return impl_->grouped ? static_cast<int64_t>(impl_->tasks.size()) : impl_->L.T * impl_->L.Hkv;
+  return impl_->grouped ? static_cast<int64_t>(impl_->list.starts.size()) - 1 : impl_->L.T * impl_->L.Hkv;
 }
 
 void AttentionTasks::run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,

@@ -23,8 +23,9 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype);
 // ---- pieces of those ops, for callers that split a step's work among their own threads (decoder_layers) ----
 // None allocates or throws; each computes exactly what its op computes for the rows / columns / tasks given.
 
-// paged_attention's work as tasks: built once per step from the metadata (checked as paged_attention checks
-// it, against k_cache's geometry); run() does tasks [t0, t1) for any layer's caches of that geometry.
+// paged_attention's work in size() parts (one per thread, of near-equal work, where the SIMD path runs; else one
+// per new token and kv head): built once per step from the metadata (checked as paged_attention checks it,
+// against k_cache's geometry); run() does parts [t0, t1) for any layer's caches of that geometry.
 class AttentionTasks {
  public:
   AttentionTasks(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
