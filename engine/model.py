@@ -203,7 +203,10 @@ class Llama(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
-        # feature: [N, H] -> fp32 logits [N, V]
+        # feature: [N, H] -> fp32 logits [N, V]; a quantized head computes them in fp32 from fp32 x (the same
+        # int8 activations), with no bf16 rounding and no cast of V values
+        if isinstance(self.lm_head, QLinear):
+            return self.lm_head(feature.float())
         return self.lm_head(feature).float()
 
 

@@ -12,6 +12,7 @@ buffers per batch bucket, filled by one copy, then a CUDA graph replay (CUDA) or
 """
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import Callable
 
@@ -162,7 +163,7 @@ class Staging:
         self._bufs, self._events, self._next = [None] * self.RING, [None] * self.RING, 0
 
     def to_device(self, ints: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        host = torch.tensor(ints, dtype=torch.int32)
+        host = torch.frombuffer(array.array("i", ints), dtype=torch.int32) if ints else torch.empty(0, dtype=torch.int32)
         if not self.cuda:
             return host if out is None else out.copy_(host)
         i, self._next = self._next, (self._next + 1) % self.RING
