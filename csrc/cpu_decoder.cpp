@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -57,6 +58,7 @@ void capture_rows(const at::BFloat16* hidden, const at::BFloat16* delta, int64_t
 
 class SpinBarrier {
  public:
+  static constexpr int kSpins = 1 << 10;  // ~50 us of pauses (SPR: ~140 cycles each), longer than a phase
   void wait(int threads) {
     if (threads == 1) return;
     const int phase = phase_.load(std::memory_order_acquire);
@@ -65,7 +67,11 @@ class SpinBarrier {
       phase_.store(phase + 1, std::memory_order_release);
       return;
     }
-    while (phase_.load(std::memory_order_acquire) == phase) {
+    for (int spins = 0; phase_.load(std::memory_order_acquire) == phase; ++spins) {
+      if (spins >= kSpins) {  // more threads than free cores: let the one we wait for run
+        std::this_thread::yield();
+        continue;
+      }
 #if defined(__x86_64__)
       _mm_pause();
 #endif
