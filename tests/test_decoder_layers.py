@@ -102,6 +102,42 @@ def test_decoder_layers_equals_the_per_layer_forward(checkpoint, weights):
         llm.runner.kv.copy_(kv1)  # the step's tokens stay: the next step sees longer prefixes
 
 
+@pytest.mark.parametrize("weights", ["q4", "q8_0"])
+def test_decoder_layers_same_bits_on_any_thread_count(checkpoint, weights):
+    """Quantized small steps run in one parallel region whose phases split work by thread count: the bits must
+    not depend on it (nor on how attention rows are cut into per-thread parts)."""
+    steps = (dict(counts=[1, 1, 1], capture=(2, 5)),
+             dict(counts=[6, 3, 5], trees=[[-1, 0, 0, 1, 1, 2], [-1, 0, 1], [-1, 0, 0, 0, 3]], capture=(0, 7)),
+             dict(counts=[1, 1, 1]))
+    threads, runs = torch.get_num_threads(), []
+    try:
+        for n in (1, 2, 3):  # a fresh engine each: the same prompts, blocks and steps
+            torch.set_num_threads(n)
+            torch.manual_seed(1)
+            llm = engine(checkpoint, weights)
+            for s, length in zip([0, 1, 2], (3, 30, 11)):
+                llm.scheduler.blocks.allocate(s, 0)
+                with torch.inference_mode():
+                    llm.runner.forward(llm.scheduler.blocks, [s], [torch.randint(3, VOCAB, (length,)).tolist()])
+            runs.append([])
+            for step in steps:
+                results = both_ways(llm, [0, 1, 2], **step)  # fused, per layer (and both writing a store)
+                assert _same(results[0], results[1]), step
+                runs[-1].append(results)
+                llm.runner.kv.copy_(results[0][2])
+    finally:
+        torch.set_num_threads(threads)
+    for run, other in zip(runs, runs[1:]):
+        for step, a, b in zip(steps, run, other):
+            assert all(_same(x, y) for x, y in zip(a, b)), step
+
+
+def _same(a, b) -> bool:
+    """Two (feature, captured, kv) results, bit for bit."""
+    return (torch.equal(a[0], b[0]) and len(a[1]) == len(b[1]) and all(map(torch.equal, a[1], b[1]))
+            and torch.equal(a[2], b[2]))
+
+
 def test_the_engine_decodes_the_same_tokens_fused_or_not(checkpoint):
     llm = engine(checkpoint, "q4")
     prompts = [[1, 5, 9, 11, 4], [1, 7], [1, 3, 3, 3, 4, 5]]
@@ -169,3 +205,7 @@ def test_decoder_layers_bad_arguments(checkpoint):
             continue
         with pytest.raises(ValueError, match=message):
             eagle_kernels.decoder_layers(**args(**change))
+        with eagle_kernels.unchecked(), pytest.raises(ValueError):  # the C++ op's own checks, as the engine runs it
+            eagle_kernels.decoder_layers(**args(**change))
+    with eagle_kernels.unchecked(), pytest.raises(ValueError, match="outside the cache"):
+        eagle_kernels.decoder_layers(**args(slot_mapping=meta.slot_mapping + 10**6))
