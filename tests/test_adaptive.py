@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine.adaptive import PROBE_SHARE, SpeculationPolicy
+from engine.adaptive import PROBE_SHARE, REUSE, SpeculationPolicy
 from engine.llm import LLM
 from engine.model_runner import ModelRunner
 from engine.run import parse_args
@@ -112,6 +112,19 @@ def test_acceptance_collapse_turns_speculation_off():
     simulate(policy, 1, 100, CPU, [0.6, 0.3], rng)
     chosen = simulate(policy, 1, 300, CPU, [0.0, 0.0], rng)
     assert chosen[-100:].count(0) >= 85
+
+
+def test_a_settled_decision_holds_for_a_few_rounds():
+    """Once depth 0 is settled at batch 16, the depths are weighed once every REUSE rounds, not every round;
+    another batch size is weighed at once."""
+    policy = SpeculationPolicy(CPU_TREE)
+    simulate(policy, 16, 50, CPU, [0.6, 0.3], random.Random(6))
+    weighed, seconds = [], policy.seconds
+    policy.seconds = lambda batch, d: weighed.append(batch) or seconds(batch, d)
+    assert simulate(policy, 16, 3 * REUSE, CPU, [0.6, 0.3], random.Random(7)) == [0] * (3 * REUSE)
+    assert 0 < len(weighed) <= 3 * len(CPU_TREE)
+    policy.choose(12)  # the same bucket, another size
+    assert weighed[-1] == 12
 
 
 def test_unmeasured_rounds_report_no_time():
