@@ -4,8 +4,9 @@
 //
 // Per query row (a new token's q head): pass 1 writes the scaled scores of all visible keys to a task-local
 // buffer, then an exact fp32 softmax, then pass 2 accumulates the weighted V rows in fp32; the output is
-// rounded to q's dtype once. With AVX2 one task holds all the rows of a (sequence, kv head) that share the
-// prefix's K/V (run_grouped); otherwise one task per (new token, kv head).
+// rounded to q's dtype once. With AVX2 the rows are cut into one part of near-equal work per thread, a task
+// holding a part's rows of one (sequence, kv head), which share the prefix's K/V (group_tasks); otherwise one
+// task per (new token, kv head). AttentionTasks holds a step's split, for paged_attention and decoder_layers.
 // Visible keys of new token i of sequence b: every cached prefix position, then new token j iff j <= i
 // (no tree mask) or bit j of tree_mask[t] is set.
 #include <ATen/ATen.h>

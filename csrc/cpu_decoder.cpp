@@ -103,7 +103,7 @@ bool fits_one_region(const at::Tensor& hidden, at::TensorList weights, at::IntAr
   const int64_t L = static_cast<int64_t>(kv.size()) / 2, T = hidden.size(0), H = hidden.size(1);
   if (hidden.scalar_type() != at::kBFloat16 || (!capture.empty() && !into) || T == 0) return false;
   const at::Tensor& k0 = kv[0];
-  if (k0.dim() != 4 || Hq <= 0 || k0.size(2) <= 0 || Hq % k0.size(2) != 0) return false;
+  if (k0.dim() != 4 || Hq <= 0 || k0.size(2) <= 0 || Hq % k0.size(2) != 0 || k0.size(3) % 2) return false;
   const int64_t Hkv = k0.size(2), D = k0.size(3), slots = k0.size(0) * k0.size(1);
   for (const at::Tensor& c : kv) {
     if (c.sizes() != k0.sizes() || c.scalar_type() != at::kBFloat16 || !c.is_contiguous() || !c.device().is_cpu())
