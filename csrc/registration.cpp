@@ -13,6 +13,8 @@ TORCH_LIBRARY(eagle, m) {
         " -> (Tensor, Tensor, Tensor)");
   m.def("tree_accept_sample(Tensor parents, Tensor tokens, Tensor sizes, Tensor target_probs,"
         " Tensor uniforms, Tensor? draft_probs=None) -> (Tensor, Tensor, Tensor)");
+  // The first index of each row's maximum (CPU, fp32 [..., V] -> int64 [...]).
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 extern "C" PyObject* PyInit__C(void) {

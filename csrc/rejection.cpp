@@ -4,12 +4,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <vector>
 
 #include "cdf_order.h"
 #include "checks.h"
+#include "cpu_vec.h"
 
 namespace eagle {
 namespace {
@@ -231,11 +233,67 @@ AcceptResult tree_accept_sample_cpu(const at::Tensor& parents_in, const at::Tens
   return {path, len, next};
 }
 
+#if defined(__x86_64__)
+// The maximum of x[0, V), V >= 8; NaN if any element is NaN.
+EAGLE_AVX2 float max_or_nan_avx2(const float* x, int64_t V) {
+  __m256 m = _mm256_loadu_ps(x), nan = _mm256_cmp_ps(m, m, _CMP_UNORD_Q);
+  int64_t j = 8;
+  for (; j + 8 <= V; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    m = _mm256_max_ps(m, v);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float top = *std::max_element(lanes, lanes + 8);
+  bool any_nan = _mm256_movemask_ps(nan) != 0;
+  for (; j < V; ++j) {
+    any_nan = any_nan || x[j] != x[j];
+    top = std::max(top, x[j]);
+  }
+  return any_nan ? std::numeric_limits<float>::quiet_NaN() : top;
+}
+#endif
+
+// The first index of a row's maximum, as torch's max(-1).indices gives it (the first NaN, if any).
+int64_t argmax_row(const float* x, int64_t V) {
+#if defined(__x86_64__)
+  if (eagle::cpu::has_avx2() && V >= 8) {  // the maximum 8 lanes at a time, then its first index
+    const float best = max_or_nan_avx2(x, V);
+    const bool nan = best != best;
+    for (int64_t i = 0; i < V; ++i)
+      if (nan ? x[i] != x[i] : x[i] == best) return i;
+  }
+#endif
+  int64_t at = 0;
+  for (int64_t j = 1; j < V && x[at] == x[at]; ++j)
+    if (x[j] > x[at] || x[j] != x[j]) at = j;
+  return at;
+}
+
+// x: fp32 [..., V] -> int64 [...].
+at::Tensor argmax_rows_cpu(const at::Tensor& x_in) {
+  TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat && x_in.dim() >= 1 && x_in.size(-1) > 0,
+                    "argmax_rows: x must be fp32 [..., V] with V > 0");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t V = x.size(-1), rows = x.numel() / V;
+  auto shape = x.sizes().vec();
+  shape.pop_back();
+  at::Tensor out = at::empty(shape, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / V), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(xp + r * V, V);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {
   m.impl("tree_accept_greedy", &tree_accept_greedy_cpu);
   m.impl("tree_accept_sample", &tree_accept_sample_cpu);
+  m.impl("argmax_rows", &argmax_rows_cpu);
 }
 
 }  // namespace eagle

@@ -12,9 +12,20 @@ import numbers
 
 import torch
 
+from ._ops import has_kernel, ops
 from .expand import topk_low_index_first
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_ARGMAX_CPU = has_kernel("argmax_rows", torch.device("cpu"))
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [..., V] -> int64 [...]: the first index of each row's maximum, as torch's max(-1).indices (a NaN
+    counts as the maximum). fp32 CPU rows take the C++ op (49k logits: ~5 us a row, against 21 us for
+    max(-1) and 62 for argmax(-1)), the rest torch's max(-1)."""
+    if _ARGMAX_CPU and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.shape[-1] > 0:
+        return ops().argmax_rows(x)
+    return x.max(-1).indices
 
 
 def _fail(msg):

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 import eagle_kernels
+from eagle_kernels import argmax
 from .model_runner import ModelRunner, StepPlan
-from .sampler import Sampler, argmax
+from .sampler import Sampler
 from .scheduler import Sequence, cached_len
 from .trees import Tree
 

@@ -9,12 +9,8 @@ from __future__ import annotations
 import torch
 
 import eagle_kernels
+from eagle_kernels import argmax
 from .scheduler import SamplingParams, Sequence
-
-
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1), the first maximum, through max(): ~3x faster on CPUs (49k logits: 21 vs 62 us a row)."""
-    return x.max(-1).indices
 
 
 class Sampler:

@@ -16,12 +16,13 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from eagle_kernels import argmax
+
 from .config import LlamaConfig
 from .loader import load_model
 from .model import Llama
 from .decoding import SpeculativeDecoder, Verdict, depth_caps
 from .model_runner import kv_layers
-from .sampler import argmax
 from .scheduler import Sequence, cached_len
 from .trees import Tree
 

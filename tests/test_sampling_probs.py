@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import eagle_kernels
 from eagle_kernels.sampling import sampling_probs
 
 
@@ -167,3 +168,20 @@ def test_mixed_rows_host_plan_matches_full_sort():
     check(planned, ref.reshape(logits.shape))
     assert torch.equal(planned > 0, sorted_ > 0)
     torch.testing.assert_close(planned, sorted_, atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (3, 7), (5, 8), (2, 3, 17), (4, 1), (3, 1000), (1, 4097)])
+def test_argmax_is_torchs_first_maximum(shape):
+    """eagle_kernels.argmax (the C++ op on fp32 CPU rows) against torch's max(-1).indices: ties (coarse values)
+    go to the first index, a row of -inf to 0, a NaN counts as the maximum (the first one)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=g) * 4).round()
+    rows = x.view(-1, shape[-1])
+    if rows.shape[0] > 1:
+        rows[1] = float("-inf")
+    if rows.shape[0] > 2 and shape[-1] > 5:
+        rows[2, [2, 5]] = float("nan")
+    got = eagle_kernels.argmax(x)
+    assert got.dtype == torch.int64 and got.shape == shape[:-1]
+    assert torch.equal(got, x.max(-1).indices)
+    assert torch.equal(eagle_kernels.argmax(x.bfloat16()), x.bfloat16().max(-1).indices)  # torch's path
