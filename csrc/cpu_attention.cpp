@@ -151,9 +151,10 @@ EAGLE_AVX2 inline void widen_rows(const T* cache, const int64_t* rows, int64_t n
     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + j * D + d, eagle::cpu::load8(cache + rows[j] + d));
 }
 
-struct RowKeys {     // what one query row sees beyond the shared prefix
-  int64_t count;     // prefix + visible new tokens
-  const int64_t* extra;
+struct RowKeys {     // the keys one query row sees
+  int64_t count;     // all of them: its shared keys, then its extra ones
+  int64_t shared;    // a prefix of the task's shared keys (the cached prefix, and causally its new tokens)
+  const int64_t* extra;  // tree rows: the visible new tokens, read per row
   int64_t n_extra;
 };
 
@@ -273,53 +274,79 @@ EAGLE_AVX2 inline void prefetch_rows(const T* cache, const int64_t* rows, int64_
       _mm_prefetch(reinterpret_cast<const char*>(cache + rows[j]) + b, _MM_HINT_T0);
 }
 
+// How many of the shared keys [j0, j0 + nk) row r sees (rows see a prefix of the shared keys).
+inline int64_t seen_in_block(const RowKeys& row, int64_t j0, int64_t nk) {
+  return std::min(nk, std::max<int64_t>(0, row.shared - j0));
+}
+
 // q: fp32 [R, D] scaled; scores: [R, stride]; acc: fp32 [R, D] zeroed; buf: fp32 [kKeyBlock, D].
+// The shared keys stream past in blocks, each read (and widened) once for all the rows that see part of it:
+// rows are ordered by token, so under a causal mask they see ever longer prefixes of the shared keys, and the
+// rows of one block fall into runs that see the same number of its keys.
 template <typename T, int DV>
 EAGLE_AVX2 void attend_group_avx2(const float* q, int64_t R, const T* kc, const T* vc,
-                                  const std::vector<int64_t>& prefix_rows, const std::vector<RowKeys>& keys,
+                                  const std::vector<int64_t>& shared_rows, const std::vector<RowKeys>& keys,
                                   int64_t stride, float* scores, float* acc, float* buf) {
   constexpr int D = 8 * DV;
-  const int64_t P = prefix_rows.size();
-  const int64_t* pr = prefix_rows.data();
-  const bool widen = R >= kWidenRows, z = widen && eagle::cpu::use_avx512();
-  prefetch_rows(kc, pr, 0, P, D);
-  for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
-    const int64_t nk = std::min(kKeyBlock, P - j0);
-    prefetch_rows(kc, pr, j0 + kKeyBlock, P, D);
-    if (z) {
-      widen_key_pairs(kc, pr + j0, nk, DV, buf);
-      score_key_pairs<DV>(q, R, nk, buf, scores + j0, stride);
-    } else if (widen) {
-      widen_rows(kc, pr + j0, nk, D, buf);
-      score_keys<DV>(q, R, nk, [&](int64_t j) { return buf + j * D; }, scores + j0, stride);
-    } else {
-      score_keys<DV>(q, R, nk, [&](int64_t j) { return kc + pr[j0 + j]; }, scores + j0, stride);
+  const int64_t S = shared_rows.size();
+  const int64_t* pr = shared_rows.data();
+  const bool avx512 = eagle::cpu::use_avx512();
+  // fn(r0, r1, m): rows [r0, r1) each see the block's first m keys (m > 0); -> the rows that see some.
+  auto runs = [&](int64_t j0, int64_t nk, auto&& fn) {
+    int64_t r = 0;
+    while (r < R && seen_in_block(keys[r], j0, nk) == 0) ++r;
+    const int64_t users = R - r;
+    while (r < R) {
+      const int64_t m = seen_in_block(keys[r], j0, nk);
+      int64_t r1 = r + 1;
+      while (r1 < R && seen_in_block(keys[r1], j0, nk) == m) ++r1;
+      if (m > 0) fn(r, r1, m, users);
+      r = r1;
     }
+  };
+  prefetch_rows(kc, pr, 0, S, D);
+  for (int64_t j0 = 0; j0 < S; j0 += kKeyBlock) {
+    const int64_t nk = std::min(kKeyBlock, S - j0);
+    prefetch_rows(kc, pr, j0 + kKeyBlock, S, D);
+    int widened = 0;  // 1: fp32 rows in buf, 2: AVX-512 key pairs in buf
+    runs(j0, nk, [&](int64_t r0, int64_t r1, int64_t m, int64_t users) {
+      if (!widened && users >= kWidenRows) {
+        widened = avx512 ? 2 : 1;
+        if (avx512) widen_key_pairs(kc, pr + j0, nk, DV, buf);
+        else widen_rows(kc, pr + j0, nk, D, buf);
+      }
+      float* out = scores + r0 * stride + j0;
+      if (widened == 2) score_key_pairs<DV>(q + r0 * D, r1 - r0, m, buf, out, stride);
+      else if (widened == 1) score_keys<DV>(q + r0 * D, r1 - r0, m, [&](int64_t j) { return buf + j * D; }, out, stride);
+      else score_keys<DV>(q + r0 * D, r1 - r0, m, [&](int64_t j) { return kc + pr[j0 + j]; }, out, stride);
+    });
   }
   for (int64_t r = 0; r < R; ++r) {
     const RowKeys& own = keys[r];
-    score_keys<DV>(q + r * D, 1, own.n_extra, [&](int64_t e) { return kc + own.extra[e]; }, scores + r * stride + P,
-                   stride);
+    score_keys<DV>(q + r * D, 1, own.n_extra, [&](int64_t e) { return kc + own.extra[e]; },
+                   scores + r * stride + own.shared, stride);
     if (own.count) softmax_rows_avx2(scores + r * stride, 1, own.count);
   }
-  prefetch_rows(vc, pr, 0, P, D);
-  for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
-    const int64_t nk = std::min(kKeyBlock, P - j0);
-    prefetch_rows(vc, pr, j0 + kKeyBlock, P, D);
-    if (z) {
-      widen_rows(vc, pr + j0, nk, D, buf);
-      accumulate_value_pairs<DV>(scores + j0, stride, R, nk, buf, acc);
-    } else if (widen) {
-      widen_rows(vc, pr + j0, nk, D, buf);
-      accumulate_values<DV>(scores + j0, stride, R, nk, [&](int64_t j) { return buf + j * D; }, acc);
-    } else {
-      accumulate_values<DV>(scores + j0, stride, R, nk, [&](int64_t j) { return vc + pr[j0 + j]; }, acc);
-    }
+  prefetch_rows(vc, pr, 0, S, D);
+  for (int64_t j0 = 0; j0 < S; j0 += kKeyBlock) {
+    const int64_t nk = std::min(kKeyBlock, S - j0);
+    prefetch_rows(vc, pr, j0 + kKeyBlock, S, D);
+    bool widened = false;
+    runs(j0, nk, [&](int64_t r0, int64_t r1, int64_t m, int64_t users) {
+      if (!widened && users >= kWidenRows) {
+        widened = true;
+        widen_rows(vc, pr + j0, nk, D, buf);
+      }
+      const float* p = scores + r0 * stride + j0;
+      if (widened && avx512) accumulate_value_pairs<DV>(p, stride, r1 - r0, m, buf, acc + r0 * D);
+      else if (widened) accumulate_values<DV>(p, stride, r1 - r0, m, [&](int64_t j) { return buf + j * D; }, acc + r0 * D);
+      else accumulate_values<DV>(p, stride, r1 - r0, m, [&](int64_t j) { return vc + pr[j0 + j]; }, acc + r0 * D);
+    });
   }
   for (int64_t r = 0; r < R; ++r) {
     const RowKeys& own = keys[r];
-    accumulate_values<DV>(scores + r * stride + P, stride, 1, own.n_extra, [&](int64_t e) { return vc + own.extra[e]; },
-                          acc + r * D);
+    accumulate_values<DV>(scores + r * stride + own.shared, stride, 1, own.n_extra,
+                          [&](int64_t e) { return vc + own.extra[e]; }, acc + r * D);
   }
 }
 #endif
@@ -376,36 +403,48 @@ struct GroupTask {
 };
 
 // The grouped path's tasks in `pieces` runs of near-equal work, one per thread: the query rows (sequence, kv
-// head, row) in order, cut where the running sum of their work (a row's keys: its sequence's cached and new
-// tokens) crosses each 1 / pieces of the total. A task is the rows of one (sequence, kv head) within one piece,
-// so a piece reads each kv head's keys once. Piece p holds tasks [starts[p], starts[p + 1]).
+// head, row) in order, cut where the running sum of their work (a row's keys: its sequence's cached tokens and
+// the new ones it sees, all of them under a tree mask, itself and those before it causally) crosses each
+// 1 / pieces of the total. A task is the rows of one (sequence, kv head) within one piece, so a piece reads
+// each kv head's keys once. Piece p holds tasks [starts[p], starts[p + 1]).
 struct TaskList {
   std::vector<GroupTask> tasks;
   std::vector<int64_t> starts;
 };
 
-TaskList group_tasks(const int32_t* cu, const int32_t* prefix, int64_t B, const Layout& L, int64_t pieces) {
+// The most query rows of one task: a long prefill's rows are cut into tasks whose scores ([rows, keys] fp32)
+// stay in the L2 cache between the two passes; each task then reads the keys again (from L2 / L3).
+constexpr int64_t kTaskRows = 48;
+
+TaskList group_tasks(const int32_t* cu, const int32_t* prefix, int64_t B, const Layout& L, int64_t pieces,
+                     bool causal) {
+  auto cost = [&](int64_t b, int64_t row) {  // row = token * G + q head
+    return prefix[b] + (causal ? row / L.G + 1 : cu[b + 1] - cu[b]);
+  };
   int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) total += (cu[b + 1] - cu[b]) * L.G * L.Hkv * (prefix[b] + cu[b + 1] - cu[b]);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = 0; r < (cu[b + 1] - cu[b]) * L.G; ++r) total += L.Hkv * cost(b, r);
   TaskList list;
   list.starts.push_back(0);
   int64_t piece = 0, done = 0;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = cu[b + 1] - cu[b], rows = n * L.G, cost = prefix[b] + n;
+    const int64_t rows = (cu[b + 1] - cu[b]) * L.G;
     for (int64_t h = 0; h < L.Hkv && rows; ++h) {
-      for (int64_t r = 0; r < rows;) {
-        const int64_t bound = piece + 1 >= pieces ? total : total * (piece + 1) / pieces;
-        const int64_t take = std::min(rows - r, bound > done ? (bound - done + cost - 1) / cost : 0);
-        if (take > 0) {
-          list.tasks.push_back({b, h, r, r + take});
-          r += take;
-          done += take * cost;
-        }
-        if (r < rows) {  // piece full
+      int64_t r0 = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        while (piece + 1 < pieces && done >= total * (piece + 1) / pieces) {  // piece full: close it
+          if (r > r0) list.tasks.push_back({b, h, r0, r});
+          r0 = r;
           ++piece;
           list.starts.push_back(list.tasks.size());
         }
+        if (r - r0 == kTaskRows) {  // a task's scores stay in L2
+          list.tasks.push_back({b, h, r0, r});
+          r0 = r;
+        }
+        done += cost(b, r);
       }
+      list.tasks.push_back({b, h, r0, rows});
     }
   }
   while (static_cast<int64_t>(list.starts.size()) <= pieces) list.starts.push_back(list.tasks.size());
@@ -419,7 +458,7 @@ void grouped_tasks(const std::vector<GroupTask>& tasks, const T* qp, const T* kc
                    const int32_t* cu, const int32_t* prefix, const int32_t* mask, const Layout& L, T* op,
                    int64_t begin, int64_t end) {
   thread_local std::vector<float> qf, acc, scores, buf;
-  thread_local std::vector<int64_t> prefix_rows;
+  thread_local std::vector<int64_t> shared_rows;
   thread_local std::vector<std::vector<int64_t>> extra;
   thread_local std::vector<RowKeys> keys;
   buf.resize(kKeyBlock * L.D);
@@ -427,14 +466,17 @@ void grouped_tasks(const std::vector<GroupTask>& tasks, const T* qp, const T* kc
     const GroupTask& task = tasks[k];
     const int64_t n = cu[task.b + 1] - cu[task.b], P = prefix[task.b], R = task.r1 - task.r0;
     const int32_t* table = tables + task.b * L.max_blocks;
-    prefix_rows.clear();
-    append_prefix_rows(table, P, task.h, L, prefix_rows);
+    // Shared keys: the cached prefix and, without a tree mask, the new tokens up to the task's last one (row
+    // token i sees the first P + i + 1); a tree row's visible new tokens are its own extra keys.
     const int64_t i0 = task.r0 / L.G, i1 = (task.r1 - 1) / L.G + 1;  // the task's new tokens
+    shared_rows.clear();
+    append_prefix_rows(table, P, task.h, L, shared_rows);
+    if (!mask) append_new_rows(table, P, n, i1 - 1, nullptr, task.h, L, shared_rows);
     extra.resize(i1 - i0);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = cu[task.b] + i;
       extra[i - i0].clear();
-      append_new_rows(table, P, n, i, mask ? mask + t * L.mask_words : nullptr, task.h, L, extra[i - i0]);
+      if (mask) append_new_rows(table, P, n, i, mask + t * L.mask_words, task.h, L, extra[i - i0]);
     }
     qf.resize(R * L.D);
     keys.resize(R);
@@ -443,14 +485,15 @@ void grouped_tasks(const std::vector<GroupTask>& tasks, const T* qp, const T* kc
       const T* qt = qp + ((cu[task.b] + i) * L.Hq + task.h * L.G + g) * L.D;
       for (int64_t d = 0; d < L.D; ++d) qf[r * L.D + d] = static_cast<float>(qt[d]) * L.scale;
       const auto& e = extra[i - i0];
-      keys[r] = {P + static_cast<int64_t>(e.size()), e.data(), static_cast<int64_t>(e.size())};
+      const int64_t shared = mask ? P : P + i + 1, n_extra = e.size();
+      keys[r] = {shared + n_extra, shared, e.data(), n_extra};
     }
     const int64_t stride = P + n;
     scores.resize(R * stride);
     acc.assign(R * L.D, 0.f);
-    if (L.D == 64) attend_group_avx2<T, 8>(qf.data(), R, kc, vc, prefix_rows, keys, stride, scores.data(),
+    if (L.D == 64) attend_group_avx2<T, 8>(qf.data(), R, kc, vc, shared_rows, keys, stride, scores.data(),
                                            acc.data(), buf.data());
-    else attend_group_avx2<T, 16>(qf.data(), R, kc, vc, prefix_rows, keys, stride, scores.data(), acc.data(),
+    else attend_group_avx2<T, 16>(qf.data(), R, kc, vc, shared_rows, keys, stride, scores.data(), acc.data(),
                                   buf.data());
     for (int64_t r = 0; r < R; ++r) {
       const int64_t i = (task.r0 + r) / L.G, g = (task.r0 + r) % L.G;
@@ -581,7 +624,7 @@ AttentionTasks::AttentionTasks(const at::Tensor& q, const at::Tensor& k_cache, c
   TORCH_CHECK_VALUE(value_err.empty(), value_err);
 #if defined(__x86_64__)
   impl->grouped = has_avx2() && (L.D == 64 || L.D == 128);  // the head sizes of the supported models
-  if (impl->grouped) impl->list = group_tasks(impl->cu, impl->prefix, B, L, at::get_num_threads());
+  if (impl->grouped) impl->list = group_tasks(impl->cu, impl->prefix, B, L, at::get_num_threads(), impl->mask == nullptr);
 #endif
   if (!impl->grouped) {
     impl->seq_of.resize(L.T);

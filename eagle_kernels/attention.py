@@ -59,39 +59,20 @@ def _check_paged_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_le
     return b
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask=None, scale=None, *,
-                    max_seqlen_q=None):
+def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask=None, scale=None):
     """q: [T, Hq, D] packed new tokens -> [T, Hq, D]; see DESIGN.md for the masking rule.
 
-    max_seqlen_q: host-known bound on any sequence's new tokens; on the CPU it picks the kernel without reading
-    cu_seqlens_q (None: read it). Triton (CUDA tensors, CPU ones inside triton_on_cpu()) and the C++ kernel
-    make no host reads; the torch path reads the lengths."""
+    CPU tensors take the C++ kernel whatever the step (prefill, decode, chains, trees): a token's output is
+    one fixed chain of operations over the keys it sees, so it does not depend on what else is in the call,
+    on how its prompt was cut into chunks, or on the thread count. Triton (CUDA tensors, CPU ones inside
+    triton_on_cpu()) and the C++ kernel make no host reads; the torch path (no extension) reads the lengths."""
     if gpu_path(q) and triton is not None:
         return paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
-    if q.device.type == "cpu" and _CPU_KERNEL and _cpu_kernel_wins(cu_seqlens_q, max_seqlen_q):
+    if q.device.type == "cpu" and _CPU_KERNEL:
         if _ops.CHECKED:
             check_paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask)
         return ops().paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
     return paged_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask, scale)
-
-
-# The C++ kernel streams every visible key once per (query token, kv head); SDPA's GEMMs beat it once a
-# sequence brings many new tokens (2-core EPYC, 9 / 3 heads, D = 64: 16 new tokens over a 1k context take
-# 1.6 ms vs 0.84 ms). Decode, chains, trees and draft steps (<= 32 new tokens a sequence) still all go to
-# the C++ kernel: its result for a token does not depend on what else is in the call, so verifying a tree
-# computes what decoding computes, bit for bit, and bf16 speculative output stays identical to vanilla.
-# Prefills (the same call for every decoding method) go to SDPA.
-_CPU_MAX_NEW_TOKENS = 32
-
-
-def _cpu_kernel_wins(cu_seqlens_q, max_seqlen_q) -> bool:
-    """Malformed metadata goes to the C++ kernel too, whose checks name the problem."""
-    if max_seqlen_q is not None:
-        return max_seqlen_q <= _CPU_MAX_NEW_TOKENS
-    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 2:
-        return True
-    cu = cu_seqlens_q.tolist()
-    return max(b - a for a, b in zip(cu, cu[1:])) <= _CPU_MAX_NEW_TOKENS
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, tree_mask=None,

@@ -1,6 +1,6 @@
-"""A Llama decoder stack in one C++ call (csrc/cpu_decoder.cpp), for CPU steps of a few tokens a sequence.
+"""A Llama decoder stack in one C++ call (csrc/cpu_decoder.cpp), for CPU steps.
 
-It runs, layer after layer, exactly the kernels a per-layer forward calls (rms_norm, linear_bf16 / linear_q,
+It runs, layer after layer, exactly the kernels a per-layer forward calls (rms_norm, linear_dense / linear_q,
 rope_write_kv, paged_attention, silu_and_mul) in the same order, so its output is bit-identical to that
 forward's; it saves the host time between them. Per layer, `weights` holds [input_norm, qkv, o, post_norm,
 gate_up, down] and `formats` the four linears' formats (FORMATS); the final norm comes last.
@@ -9,7 +9,6 @@ import torch
 
 from . import _ops
 from ._ops import check_paged_attention_cpu, check_rms_norm, has_kernel, ops
-from .attention import _CPU_MAX_NEW_TOKENS
 from .quant import QTYPES, _check as check_quantized, out_features
 
 _CPU_OP = has_kernel("decoder_layers", torch.device("cpu"))
@@ -17,11 +16,11 @@ FORMATS = {"bf16": 0, **{name: ggml for name, (ggml, _) in QTYPES.items()}}
 PER_LAYER = 6
 
 
-def decoder_layers_fit(hidden: torch.Tensor, max_new: int | None) -> bool:
-    """Whether decoder_layers serves this step: bf16 CPU activations, autograd off, at most 32 new tokens a
-    sequence (beyond that paged_attention hands prefills to SDPA, which the fused stack does not)."""
-    return (_CPU_OP and max_new is not None and max_new <= _CPU_MAX_NEW_TOKENS and hidden.dtype == torch.bfloat16
-            and hidden.device.type == "cpu" and not _ops._TRITON_ON_CPU and not torch.is_grad_enabled())
+def decoder_layers_fit(hidden: torch.Tensor) -> bool:
+    """Whether decoder_layers serves this step: bf16 CPU activations, autograd off (any step: prefills,
+    decode, chains and trees run the same kernels as the per-layer forward)."""
+    return (_CPU_OP and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu" and not _ops._TRITON_ON_CPU
+            and not torch.is_grad_enabled())
 
 
 def decoder_layers(hidden, weights, formats, eps, cos, sin, kv, slot_mapping, block_tables, cu_seqlens_q,

@@ -23,7 +23,6 @@ class AttnMeta:
     cu_seqlens_q: torch.Tensor   # int32 [B + 1]: new tokens of sequence b are q[cu[b]:cu[b+1]]
     prefix_lens: torch.Tensor    # int32 [B]: tokens already cached before the new ones
     tree_mask: torch.Tensor | None = None  # int32 [T, W] ancestor bitmask over the new tokens; None = causal
-    max_new: int | None = None   # host: the most new tokens of one sequence (kernel choice without a sync)
 
 
 class Linear(nn.Linear):
@@ -121,7 +120,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         q = eagle_kernels.rope_write_kv(self.qkv_proj(x), cos, sin, k_cache, v_cache, meta.slot_mapping, self.nq)
         o = eagle_kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                          meta.prefix_lens, meta.tree_mask, max_seqlen_q=meta.max_new)  # [T, Hq, D]
+                                          meta.prefix_lens, meta.tree_mask)  # [T, Hq, D]
         return self.o_proj(o.reshape(x.shape[0], self.nq * self.hd))
 
 
@@ -174,7 +173,7 @@ class Llama(nn.Module):
         cos, sin = self.rotary(positions, torch.float32)
         delta, captured = None, []
         with eagle_kernels.unchecked():           # every layer's arguments are built here, from meta
-            stack = self.stack() if eagle_kernels.decoder_layers_fit(residual, meta.max_new) else None
+            stack = self.stack() if eagle_kernels.decoder_layers_fit(residual) else None
             if stack is not None:                 # the same kernels as the layers below, in one C++ call
                 return eagle_kernels.decoder_layers(
                     residual, *stack, self.norm.eps, cos, sin, [c for kv in kv_caches for c in kv],

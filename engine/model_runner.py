@@ -96,8 +96,7 @@ class ModelRunner:
         B, T = len(plan.counts), sum(plan.counts)
         o = [0, T, 2 * T, 2 * T + B + 1, 2 * T + 2 * B + 1, 2 * T + 2 * B + 1 + B * self.width]
         meta = AttnMeta(slot_mapping=buf[o[0]:o[1]], block_tables=buf[o[4]:o[5]].view(B, self.width),
-                        cu_seqlens_q=buf[o[2]:o[3]], prefix_lens=buf[o[3]:o[4]], tree_mask=tree_mask,
-                        max_new=max(plan.counts))
+                        cu_seqlens_q=buf[o[2]:o[3]], prefix_lens=buf[o[3]:o[4]], tree_mask=tree_mask)
         ids = buf[o[5]:o[5] + T] if with_ids else None
         return meta, buf[o[1]:o[2]], ids
 
