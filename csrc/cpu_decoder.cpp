@@ -5,7 +5,7 @@
 // model, a quarter of a quantized decode step).
 //
 // weights: per layer [input_norm [H], qkv, o, post_norm [H], gate_up, down], then the final norm [H];
-// formats: per layer the four linears' formats, 0 = a bf16 [N, K] weight (linear_bf16), 3 / 8 = a Q4_1 / Q8_0
+// formats: per layer the four linears' formats, 0 = a bf16 [N, K] weight (linear_dense), 3 / 8 = a Q4_1 / Q8_0
 // weight in eagle_kernels.quant's layout (linear_q). kv: per layer its k and v caches.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,7 +30,7 @@ constexpr int64_t kPerLayer = 6, kLinears = 4;
 constexpr int64_t kQ4_1 = 3, kQ8_0 = 8, kGroup = 16;  // GGML type ids; quantized weights come in groups of 16 rows
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t format) {
-  return format == 0 ? eagle::cpu::linear_bf16(x, w) : eagle::cpu::linear_q(x, w, format);
+  return format == 0 ? eagle::cpu::linear_dense(x, w) : eagle::cpu::linear_q(x, w, format);
 }
 
 // Layer k of `capture`'s input (hidden + delta, rounded once, as at::add does) for every token, into row

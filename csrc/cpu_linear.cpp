@@ -1,8 +1,10 @@
-// bf16-weight linear for the CPU: y[M, N] = x[M, K] @ w[N, K]^T, x and y bf16 or fp32, fp32 accumulation.
+// Dense linear for the CPU: y[M, N] = x[M, K] @ w[N, K]^T, w bf16, fp32 or fp16, x and y bf16 or fp32 (fp16 x
+// runs as fp32), fp32 accumulation.
 //
-// Why: on CPUs without native bf16 (AVX2 only) torch's bf16 GEMV runs at ~10 GB/s, half the speed of the
-// fp32 GEMV, and its GEMMs are several times slower than fp32 ones; converting to fp32 around torch's
-// GEMM would cost a pass over the weights and give results that depend on the batch.
+// Why: torch's CPU GEMMs give a row results that depend on how many rows are in the call (MKL's fp32 GEMM
+// differs between 1, 2, 3, 5, ... rows), so a request's output would depend on its batch companions and on
+// prompt chunking. And on CPUs without native bf16 (AVX2 only) torch's bf16 GEMV runs at ~10 GB/s, half the
+// speed of the fp32 GEMV, and its GEMMs are several times slower than fp32 ones.
 //
 // Row invariance: every output element is the same chain of fp32 operations whatever M is and wherever
 // its row sits in the batch: lane l of one 8-wide accumulator takes k = 16c + 2l, then 16c + 2l + 1, for
@@ -12,6 +14,9 @@
 // bf16's coarse rounding, any other order turns near-ties into different greedy tokens. (Without AVX2,
 // or with K % 16 != 0, a scalar loop keeps the same lanes and order but rounds each product before the
 // add: row-invariant too, but not bit-equal to the SIMD kernels.)
+//
+// The weights' dtype only changes how a 16-wide chunk is widened to fp32 and split into its even and odd k's
+// (widen16); everything after runs on fp32 values, so fp32 and fp16 weights get the same chain.
 //
 // The kernels, all computing that chain, picked by M and the CPU:
 // - Few rows (decode, small trees: M < 8 with AVX-512, M < 32 with AVX2 only): stream the weights once
@@ -51,7 +56,8 @@ inline int lane_of(int64_t k) { return static_cast<int>((k % 16) >> 1); }
 
 // The fixed order without SIMD (any K): 8 partial sums, lane (k mod 16) / 2, k ascending; then hsum8's
 // pairing. out[i * ldo + j] = dot(x row j, w row i) for NB weight rows and M x rows.
-void dot_block_scalar(const float* x, const c10::BFloat16* w, int64_t NB, int64_t M, int64_t K, float* out,
+template <typename W>
+void dot_block_scalar(const float* x, const W* w, int64_t NB, int64_t M, int64_t K, float* out,
                       int64_t ldo) {
   for (int64_t i = 0; i < NB; ++i) {
     for (int64_t j = 0; j < M; ++j) {
@@ -82,7 +88,7 @@ class Buffer {
       n_ = (n + 15) / 16 * 16;
       p_ = static_cast<float*>(std::aligned_alloc(64, n_ * sizeof(float)));
       if (p_ == nullptr) n_ = 0;
-      TORCH_CHECK(p_ != nullptr, "linear_bf16: out of memory");
+      TORCH_CHECK(p_ != nullptr, "linear_dense: out of memory");
     }
     return p_;
   }
@@ -104,24 +110,34 @@ Scratch& scratch() {
 }
 
 #if defined(__x86_64__)
-// Rows of x (or of widened weights) packed per 16-wide chunk as [even k's, odd k's], the order the
-// kernels' lanes take them in (K % 16 == 0). Pure copies: the packed values are the inputs', exactly.
-EAGLE_AVX2 void pack_even_odd(const c10::BFloat16* x, int64_t rows, int64_t K, float* out) {
-  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t i = 0; i < rows * K; i += 16) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
-    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-    _mm256_storeu_ps(out + i + 8, _mm256_castsi256_ps(_mm256_and_si256(v, odd_mask)));
-  }
+// 16 consecutive values of a row widened to fp32 and split as the chains take them: even = k 0, 2, .., 14,
+// odd = k 1, 3, .., 15. Pure widening and moves: the values are the inputs', exactly.
+// bf16: each 32-bit lane holds a (k even, k odd) pair, so a shift and a mask widen and split at once.
+EAGLE_AVX2 inline void widen16(const c10::BFloat16* p, __m256& even, __m256& odd) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-EAGLE_AVX2 void pack_even_odd(const float* x, int64_t rows, int64_t K, float* out) {
+// fp32 / fp16: widened in order, then split by shuffles.
+template <typename T>
+EAGLE_AVX2 inline void widen16(const T* p, __m256& even, __m256& odd) {
+  const __m256 a = eagle::cpu::load8(p), b = eagle::cpu::load8(p + 8);
+  // per 128-bit lane [a0 a2 b0 b2 | a4 a6 b4 b6]; the 64-bit swap makes it [a0 a2 a4 a6 b0 b2 b4 b6]
+  const __m256 e = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), o = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+  even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0)));
+  odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+// Rows of x (or of widened weights) packed per 16-wide chunk as [even k's, odd k's], the order the
+// kernels' lanes take them in (K % 16 == 0).
+template <typename T>
+EAGLE_AVX2 void pack_even_odd(const T* x, int64_t rows, int64_t K, float* out) {
   for (int64_t i = 0; i < rows * K; i += 16) {
-    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
-    // per 128-bit lane [a0 a2 b0 b2 | a4 a6 b4 b6]; the 64-bit swap makes it [a0 a2 a4 a6 b0 b2 b4 b6]
-    const __m256 e = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), o = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
-    _mm256_storeu_ps(out + i, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0))));
-    _mm256_storeu_ps(out + i + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), _MM_SHUFFLE(3, 1, 2, 0))));
+    __m256 e, o;
+    widen16(x + i, e, o);
+    _mm256_storeu_ps(out + i, e);
+    _mm256_storeu_ps(out + i + 8, o);
   }
 }
 
@@ -134,9 +150,8 @@ constexpr int64_t kPrefetchRows = 8;
 
 // NB weight rows against MB packed x rows, one accumulator per pair (K % 16 == 0). NB * MB accumulators
 // + 2 * NB widened weight halves must fit the 16 ymm registers; x is read straight into the FMAs.
-template <int NB, int MB>
-EAGLE_AVX2 inline void block(const float* x, const c10::BFloat16* w, int64_t K, float* out, int64_t ldo) {
-  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+template <int NB, int MB, typename W>
+EAGLE_AVX2 inline void block(const float* x, const W* w, int64_t K, float* out, int64_t ldo) {
   __m256 acc[NB][MB];
 #pragma GCC unroll 8
   for (int i = 0; i < NB; ++i)
@@ -147,9 +162,9 @@ EAGLE_AVX2 inline void block(const float* x, const c10::BFloat16* w, int64_t K, 
 #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
       _mm_prefetch(reinterpret_cast<const char*>(w + (i + kPrefetchRows) * K + k), _MM_HINT_T0);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * K + k));
-      even[i] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      odd[i] = _mm256_castsi256_ps(_mm256_and_si256(v, odd_mask));
+      if constexpr (sizeof(W) == 4)  // 64 bytes a chunk: both cache lines
+        _mm_prefetch(reinterpret_cast<const char*>(w + (i + kPrefetchRows) * K + k + 8), _MM_HINT_T0);
+      widen16(w + i * K + k, even[i], odd[i]);
     }
 #pragma GCC unroll 8
     for (int j = 0; j < MB; ++j) {
@@ -166,8 +181,8 @@ EAGLE_AVX2 inline void block(const float* x, const c10::BFloat16* w, int64_t K, 
 
 // All M rows of x against NB weight rows, in ceil(M / MB_MAX) blocks of near-equal size (a lone 1-row block
 // would waste most of a weight vector's reuse).
-template <int NB, int MB_MAX>
-EAGLE_AVX2 void dot_block_avx2(const float* x, const c10::BFloat16* w, int64_t M, int64_t K, float* out,
+template <int NB, int MB_MAX, typename W>
+EAGLE_AVX2 void dot_block_avx2(const float* x, const W* w, int64_t M, int64_t K, float* out,
                                int64_t ldo) {
   const int64_t blocks = (M + MB_MAX - 1) / MB_MAX;
   for (int64_t b = 0, m = 0; b < blocks; ++b) {
@@ -185,7 +200,8 @@ EAGLE_AVX2 void dot_block_avx2(const float* x, const c10::BFloat16* w, int64_t M
   }
 }
 
-void streamed(const float* xp, const c10::BFloat16* wp, int64_t M, int64_t K, int64_t N, at::Tensor& y) {
+template <typename W>
+void streamed(const float* xp, const W* wp, int64_t M, int64_t K, int64_t N, at::Tensor& y) {
   // Decode streams 4 weight rows at a time, small trees 2 weight rows x up to 6 x rows (12 accumulators +
   // 4 widened weight vectors fill the ymm registers); a chunk's last rows go one at a time.
   const int64_t rows_per_block = M == 1 ? 4 : 2;
@@ -194,7 +210,7 @@ void streamed(const float* xp, const c10::BFloat16* wp, int64_t M, int64_t K, in
     std::vector<float> cols(rows_per_block * M);
     for (int64_t n = n0; n < n1;) {
       const int64_t nb = n + rows_per_block <= n1 ? rows_per_block : 1;
-      const c10::BFloat16* wn = wp + n * K;
+      const W* wn = wp + n * K;
       if (nb == 4) dot_block_avx2<4, 1>(xp, wn, M, K, cols.data(), M);
       else if (nb == 2) dot_block_avx2<2, 6>(xp, wn, M, K, cols.data(), M);
       else dot_block_avx2<1, 6>(xp, wn, M, K, cols.data(), M);
@@ -256,7 +272,8 @@ struct Avx2Kernel {
 
   // Rows [n0, n1) widened, per row [even k's, odd k's] per chunk; padded to a multiple of R rows with
   // copies of the last (whose results are never stored).
-  EAGLE_AVX2 static void pack(const c10::BFloat16* w, int64_t n0, int64_t n1, int64_t K, float* out) {
+  template <typename W>
+  EAGLE_AVX2 static void pack(const W* w, int64_t n0, int64_t n1, int64_t K, float* out) {
     const int64_t rows = n1 - n0, padded = (rows + R - 1) / R * R;
     pack_even_odd(w + n0 * K, rows, K, out);
     for (int64_t r = rows; r < padded; ++r) std::memcpy(out + r * K, out + (rows - 1) * K, K * sizeof(float));
@@ -343,19 +360,19 @@ struct Avx512Kernel {
   // Rows [n0, n1) widened and interleaved per row pair: pair q's chunk c at out + q * 2K + 32c is [row
   // 2q's even k's, row 2q + 1's even k's, row 2q's odd k's, row 2q + 1's odd k's]. Padded to a multiple of
   // R rows with copies of the last (whose results are never stored).
-  EAGLE_AVX512 static void pack(const c10::BFloat16* w, int64_t n0, int64_t n1, int64_t K, float* out) {
-    const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  template <typename W>
+  EAGLE_AVX512 static void pack(const W* w, int64_t n0, int64_t n1, int64_t K, float* out) {
     const int64_t padded = n0 + (n1 - n0 + R - 1) / R * R;
     for (int64_t r = n0; r < padded; r += 2) {
-      const c10::BFloat16* a = w + std::min(r, n1 - 1) * K;
-      const c10::BFloat16* b = w + std::min(r + 1, n1 - 1) * K;
+      const W* a = w + std::min(r, n1 - 1) * K;
+      const W* b = w + std::min(r + 1, n1 - 1) * K;
       float* o = out + (r - n0) * K;
       for (int64_t k = 0; k < K; k += 16, o += 32) {
-        const __m512i v = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + k))),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + k)), 1);
-        _mm512_storeu_ps(o, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-        _mm512_storeu_ps(o + 16, _mm512_castsi512_ps(_mm512_and_si512(v, odd_mask)));
+        __m256 ae, ao, be, bo;
+        widen16(a + k, ae, ao);
+        widen16(b + k, be, bo);
+        _mm512_storeu_ps(o, eagle::cpu::join8(ae, be));
+        _mm512_storeu_ps(o + 16, eagle::cpu::join8(ao, bo));
       }
     }
   }
@@ -413,8 +430,8 @@ constexpr std::array<Micro<Kernel, Out>, sizeof...(I)> micro_table(std::integer_
 }
 
 // Weight rows [n0, n1) against all of x (packed).
-template <typename Kernel, typename Out>
-void tile(const float* xp, const c10::BFloat16* w, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, Out* y) {
+template <typename Kernel, typename Out, typename W>
+void tile(const float* xp, const W* w, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, Out* y) {
   constexpr int R = Kernel::R, MB = Kernel::MB;
   static constexpr auto micro = micro_table<Kernel, Out>(std::make_integer_sequence<int, MB>{});
   Scratch& s = scratch();
@@ -436,8 +453,8 @@ void tile(const float* xp, const c10::BFloat16* w, int64_t M, int64_t K, int64_t
   }
 }
 
-template <typename Kernel, typename T>
-void blocked(const T* x, const c10::BFloat16* w, int64_t M, int64_t K, int64_t N, T* y) {
+template <typename Kernel, typename T, typename W>
+void blocked(const T* x, const W* w, int64_t M, int64_t K, int64_t N, T* y) {
   constexpr int R = Kernel::R;
   float* xp = scratch().x.get(M * K);  // the calling thread's
   at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / K), [&](int64_t m0, int64_t m1) {
@@ -461,23 +478,12 @@ using eagle::cpu::use_avx512;
 
 }  // namespace
 
-namespace eagle::cpu {
 
-// One kernel call per step and layer: the output is written in place ([M, N], x's dtype), so no
-// conversion or transpose ops surround it (each costs more than the GEMV at these sizes).
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
-              "linear_bf16: w must be a contiguous bf16 [N, K] tensor");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1), "linear_bf16: x must be [M, K] with K = w.size(1)");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "linear_bf16: x must be bf16 or fp32");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  if (K == 0) return y.zero_();
-  const auto* wp = w.data_ptr<at::BFloat16>();
-  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
-  const at::Tensor xc = x.contiguous();
+namespace {
+
+// y = x @ w^T for x [M, K] of type T (bf16 / fp32, also the output's) and w [N, K] of type W.
+template <typename T, typename W>
+void dense(const T* x, const W* w, int64_t M, int64_t K, int64_t N, at::Tensor& y) {
 #if defined(__x86_64__)
   if (K % 16 == 0 && eagle::cpu::has_avx2()) {
     // From these row counts the blocked kernels win (measured on a Xeon: with AVX-512, 8 rows take the
@@ -485,39 +491,68 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
     // streaming kernel between 16 and 32 rows).
     const bool z = use_avx512();
     if (M >= (z ? 8 : 32)) {
-      if (out_bf16 && z) blocked<Avx512Kernel>(xc.data_ptr<at::BFloat16>(), wp, M, K, N, y.data_ptr<at::BFloat16>());
-      else if (z) blocked<Avx512Kernel>(xc.data_ptr<float>(), wp, M, K, N, y.data_ptr<float>());
-      else if (out_bf16) blocked<Avx2Kernel>(xc.data_ptr<at::BFloat16>(), wp, M, K, N, y.data_ptr<at::BFloat16>());
-      else blocked<Avx2Kernel>(xc.data_ptr<float>(), wp, M, K, N, y.data_ptr<float>());
-      return y;
+      if (z) blocked<Avx512Kernel>(x, w, M, K, N, y.data_ptr<T>());
+      else blocked<Avx2Kernel>(x, w, M, K, N, y.data_ptr<T>());
+      return;
     }
     float* xp = scratch().x.get(M * K);
-    if (out_bf16) pack_even_odd(xc.data_ptr<at::BFloat16>(), M, K, xp);
-    else pack_even_odd(xc.data_ptr<float>(), M, K, xp);
-    streamed(xp, wp, M, K, N, y);
-    return y;
+    pack_even_odd(x, M, K, xp);
+    streamed(xp, w, M, K, N, y);
+    return;
   }
 #endif
   // No AVX2 or K % 16 != 0: one weight row at a time.
-  const at::Tensor xf = xc.to(at::kFloat);
+  const at::Tensor xf = at::from_blob(const_cast<T*>(x), {M, K}, y.options()).to(at::kFloat);
   const float* xp = xf.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     std::vector<float> cols(M);
     for (int64_t n = n0; n < n1; ++n) {
-      dot_block_scalar(xp, wp + n * K, 1, M, K, cols.data(), M);
-      if (out_bf16) store_columns(y.data_ptr<at::BFloat16>(), n, 1, N, cols.data(), M);
-      else store_columns(y.data_ptr<float>(), n, 1, N, cols.data(), M);
+      dot_block_scalar(xp, w + n * K, 1, M, K, cols.data(), M);
+      store_columns(y.data_ptr<T>(), n, 1, N, cols.data(), M);
     }
   });
+}
+
+template <typename T>
+void dense_any_weight(const T* x, const at::Tensor& w, int64_t M, int64_t K, int64_t N, at::Tensor& y) {
+  switch (w.scalar_type()) {
+    case at::kBFloat16: return dense(x, w.data_ptr<at::BFloat16>(), M, K, N, y);
+    case at::kFloat: return dense(x, w.data_ptr<float>(), M, K, N, y);
+    default: return dense(x, w.data_ptr<at::Half>(), M, K, N, y);
+  }
+}
+
+}  // namespace
+
+namespace eagle::cpu {
+
+// One kernel call per step and layer: the output is written in place ([M, N], x's dtype), so no
+// conversion or transpose ops surround it (each costs more than the GEMV at these sizes). fp16 x runs
+// as fp32 and is rounded once at the end (the same value a direct fp16 store would give).
+at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& w) {
+  const auto floating = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kFloat || t == at::kHalf; };
+  TORCH_CHECK_VALUE(w.dim() == 2 && floating(w.scalar_type()) && w.is_contiguous() && w.device().is_cpu(),
+                    "linear_dense: w must be a contiguous bf16 / fp32 / fp16 CPU [N, K] tensor");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == w.size(1) && x.device().is_cpu(),
+                    "linear_dense: x must be a CPU [M, K] with K = w.size(1)");
+  TORCH_CHECK_VALUE(floating(x.scalar_type()), "linear_dense: x must be bf16, fp32 or fp16");
+  if (x.scalar_type() == at::kHalf) return linear_dense(x.to(at::kFloat), w).to(at::kHalf);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return y.zero_();
+  const at::Tensor xc = x.contiguous();
+  if (x.scalar_type() == at::kBFloat16) dense_any_weight(xc.data_ptr<at::BFloat16>(), w, M, K, N, y);
+  else dense_any_weight(xc.data_ptr<float>(), w, M, K, N, y);
   return y;
 }
 
 }  // namespace eagle::cpu
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
-  m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
+  m.def("linear_dense(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {
-  m.impl("linear_bf16", &eagle::cpu::linear_bf16);
+  m.impl("linear_dense", &eagle::cpu::linear_dense);
 }

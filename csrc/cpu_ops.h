@@ -17,7 +17,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                            const at::Tensor& prefix_lens, const c10::optional<at::Tensor>& tree_mask,
                            c10::optional<double> scale);
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w);
+at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& w);
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype);
 
 // ---- pieces of those ops, for callers that split a step's work among their own threads (decoder_layers) ----
