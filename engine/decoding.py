@@ -34,6 +34,7 @@ from .trees import Tree
 class Decoder:
     """What vanilla and speculative decoders share: the runner, the sampler, the scheduler's block tables."""
     lookahead = 1  # cache positions a step may write past the cached tokens
+    held = 0       # of those, the positions whose KV a decoder's own cache keeps between steps
     depth = 0      # levels the last round drafted (0: a plain decode step)
     capture = ()   # target layers whose inputs a step hands to `store` ...
     capture_into = None  # ... or writes to this [slots, len(capture) * H] store, by slot, in the forward
@@ -116,6 +117,7 @@ class SpeculativeDecoder(Decoder):
     when nothing was drafted, and the round is a plain decode step.
     `catch_up(seqs, verdict)`: bring the draft's own state up to the accepted tokens."""
     causal = False    # drafts are chains: causal masking is the ancestor mask
+    max_tree = 0      # the most tokens a round verifies per sequence (the random draws a round takes)
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, blocks, timing: bool = False):
         super().__init__(runner, sampler, blocks)
@@ -184,7 +186,10 @@ class SpeculativeDecoder(Decoder):
             rows = self.runner.index(sampled)
             B, N = tree.tokens.shape
             probs = self.sampler.probs(logits.index_select(0, rows), [seqs[b].params for b in sampled])
-            uniforms = self.sampler.noise([seqs[b] for b in sampled], (N + 1,), exponential=False)
+            # A fixed count a round (the widest tree's), whatever this round's width: a request's stream of
+            # draws does not depend on the trees its companions made the round build.
+            uniforms = self.sampler.noise([seqs[b] for b in sampled], (max(N, self.max_tree) + 1,),
+                                          exponential=False)[:, :N + 1]
             q = None if draft_probs is None else draft_probs.index_select(0, rows)
             out = eagle_kernels.tree_accept_sample(*(a.index_select(0, rows) for a in args), probs, uniforms, q)
             path, length, nxt = (t.index_copy(0, rows.long(), o) for t, o in zip((path, length, nxt), out))

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from .device import CUDA_KV_SHARE, defaults, resolve_device
-from .loader import DEFAULT_MODEL, load_model, load_tokenizer
+from .loader import DEFAULT_MODEL, default_weights, load_model, load_tokenizer
 from .methods import METHODS, draft_elements_per_token
 from .model_runner import ModelRunner
 from .sampler import Sampler
@@ -41,13 +41,13 @@ class RunStats:
 
 class LLM:
     """device: "auto" (cuda when a GPU is visible), "cpu" or "cuda"; dtype, kv_cache_gb and cuda_graphs
-    default to the device's (engine/device.py); weights: engine.loader.WEIGHTS (auto: a GGUF's blocks stay
-    quantized on the CPU)."""
+    default to the device's (engine/device.py); weights: engine.loader.WEIGHTS (None: dense for float32, else
+    auto: a GGUF's blocks stay quantized on the CPU)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str | None = None, device: str = "auto",
                  kv_cache_gb: float | None = None, block_size: int = 16, max_batch: int = 16, seed: int = 0,
                  method: str = "vanilla", method_args: dict | None = None, threads: int | None = None,
-                 cuda_graphs: bool | None = None, timing: bool = False, weights: str = "auto"):
+                 cuda_graphs: bool | None = None, timing: bool = False, weights: str | None = None):
         self.device = resolve_device(device)
         preset = defaults(self.device)
         dtype = dtype or preset.dtype
@@ -57,6 +57,7 @@ class LLM:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         if threads:
             torch.set_num_threads(threads)
+        weights = weights or default_weights(dtype)
         self.model, self.cfg, self.source = load_model(model, DTYPES[dtype], str(self.device), weights)
         self.tokenizer = load_tokenizer(self.source)
         gb = kv_cache_gb if kv_cache_gb is not None else preset.kv_cache_gb
@@ -83,7 +84,7 @@ class LLM:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         self.method_args = method_args or {}
         self.decoder = METHODS[method](self)
-        self.scheduler.lookahead = self.decoder.lookahead
+        self.scheduler.lookahead, self.scheduler.held = self.decoder.lookahead, self.decoder.held
         return self.decoder
 
     def chat_ids(self, prompt: str | list[dict], raw: bool = False) -> list[int]:

@@ -73,6 +73,7 @@ class Scheduler:
         self.blocks = BlockManager(num_blocks, block_size)
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.eos_ids, self.lookahead = set(eos_ids), lookahead
+        self.held = 0  # cache positions past the cached tokens the decoder keeps between steps
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._reserved: dict[int, int] = {}
@@ -122,7 +123,9 @@ class Scheduler:
         ones. -> the tokens kept."""
         kept = self.append_tokens(seq, tokens)
         if not seq.finished:
-            self.blocks.truncate(seq.seq_id, cached_len(seq))
+            # blocks past the kept positions go back to the pool; a block a decoder's cache still uses
+            # (SpS's draft holds the root) must not, or a companion could take it and overwrite that KV
+            self.blocks.truncate(seq.seq_id, cached_len(seq) + self.held)
         return kept
 
     def append_tokens(self, seq: Sequence, tokens: list[int]) -> list[int]:

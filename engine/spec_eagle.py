@@ -87,6 +87,7 @@ class EagleDecoder(SpeculativeDecoder):
         fed = sum(tree.frontier_sizes())
         # Verification writes the tree at L ..; drafting the history at L - 1 ..
         self.lookahead = max(tree.verify_tokens, fed - 1)
+        self.max_tree = tree.verify_tokens
 
     @staticmethod
     def verify_tokens(tree) -> list[int]:
@@ -133,7 +134,10 @@ class EagleDecoder(SpeculativeDecoder):
         B = len(seqs)
         self.caps = depth_caps(seqs, self.model.cfg.max_position)
         want = tree_policy.depth if self.policy is None else self.policy.choose(B)
-        self.depth = min(want, max(self.caps))
+        # Each sequence's tree is cut to its own cap (select); a round that drafts at all drafts a level even
+        # when every cap is 0, so a capped sequence verifies its root alone as it would beside others: the
+        # same random draws, whatever its companions.
+        self.depth = min(want, max(1, max(self.caps)))
         if self.depth == 0:
             return None, None
         self._feed_pending(seqs)

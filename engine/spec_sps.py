@@ -65,6 +65,8 @@ class SpSDecoder(SpeculativeDecoder):
         self.next_logits: dict[int, torch.Tensor] = {}
         # Verification writes L .. L + k; catch-up feeds up to two tokens after the accepted ones.
         self.lookahead = k + 2
+        self.held = 1  # the draft cache holds the root too
+        self.max_tree = k + 1
 
     def release(self, seq_ids):
         for sid in seq_ids:
