@@ -115,15 +115,22 @@ def hf_to_engine_name(name: str) -> tuple[str, int | None]:
 
 
 # --weights: "auto" keeps a GGUF's blocks where a kernel runs them (Q8_0, Q4_1 on the CPU) and dequantizes
-# the rest; "bf16" dequantizes everything to the engine's dtype; "q8_0" / "q4" (re)quantize the linear layers
-# (q4: Q4_1, with Q8_0 embeddings and LM head, as the embedded GGUF has them).
-WEIGHTS = ("auto", "bf16", "q8_0", "q4")
+# the rest; "dense" (alias "bf16", its older name) dequantizes everything to the engine's dtype; "q8_0" / "q4"
+# (re)quantize the linear layers (q4: Q4_1, with Q8_0 embeddings and LM head, as the embedded GGUF has them).
+WEIGHTS = ("auto", "dense", "bf16", "q8_0", "q4")
+
+
+def default_weights(dtype: str) -> str:
+    """--weights when not given: float32 is the reference path, so it dequantizes (a float32 run over
+    quantized blocks keeps their rounding and int8 activations, and matches no float model); other dtypes
+    keep a GGUF's blocks (auto)."""
+    return "dense" if dtype == "float32" else "auto"
 
 
 def weight_format(weights: str, name: str, src: str | None, shape: tuple[int, ...]) -> str | None:
     """The block type parameter `name` is kept in, or None for a float tensor."""
     matrix = name.endswith("_proj.weight") or name in ("embed_tokens.weight", "lm_head.weight")
-    if weights == "bf16" or not matrix or len(shape) != 2 or not quant.supports(*shape):
+    if weights in ("dense", "bf16") or not matrix or len(shape) != 2 or not quant.supports(*shape):
         return None
     if weights == "auto":
         return src if src in quant.QTYPES else None
@@ -316,9 +323,9 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     if torch.device(device).type != "cpu":
-        if weights not in ("auto", "bf16"):
+        if weights not in ("auto", "dense", "bf16"):
             raise ValueError(f"--weights {weights} runs on the CPU only (its kernels are CPU kernels); "
-                             f"use --weights bf16 on {device}")
+                             f"use --weights dense on {device}")
         weights = "bf16"
     src = resolve_model(name)
     model, cfg = (load_gguf if src.kind == "gguf" else load_hf_checkpoint)(src.path, dtype, weights)

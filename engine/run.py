@@ -31,10 +31,12 @@ def add_engine_args(p: argparse.ArgumentParser, max_batch: int):
                    help=f"{', '.join(REGISTRY)}, a HF checkpoint directory or a .gguf file")
     add_device_arg(p)
     p.add_argument("--dtype", default=None, choices=list(DTYPES),
-                   help="default bfloat16; float32 is the parity reference, ~2.5x slower on a CPU")
-    p.add_argument("--weights", default="auto", choices=WEIGHTS,
-                   help="auto: a GGUF's Q8_0/Q4_1 blocks stay quantized on the CPU; bf16: dequantize to --dtype; "
-                        "q8_0 / q4: (re)quantize the linear layers (CPU)")
+                   help="default bfloat16; float32 (with dense weights unless --weights says otherwise) is the "
+                        "parity reference, several times slower on a CPU")
+    p.add_argument("--weights", default=None, choices=WEIGHTS,
+                   help="auto (default, dense for --dtype float32): a GGUF's Q8_0/Q4_1 blocks stay quantized on "
+                        "the CPU; dense (or bf16): dequantize to --dtype; q8_0 / q4: (re)quantize the linear "
+                        "layers (CPU)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode, draft and verify steps eagerly on a GPU")
     p.add_argument("--method", default=None, help="decoding method (default: the best available)")

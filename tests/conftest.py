@@ -42,7 +42,7 @@ CHAT_PROMPTS = [
 def smollm():
     """The embedded default model in fp32 (the parity reference dtype)."""
     from engine.llm import LLM
-    return LLM("smollm2-135m", "float32", kv_cache_gb=0.25, max_batch=32, weights="bf16")  # dequantized: parity with transformers
+    return LLM("smollm2-135m", "float32", kv_cache_gb=0.25, max_batch=32, weights="dense")  # dequantized: parity with transformers
 
 
 def tiny_llama_config(**overrides) -> dict:

@@ -50,7 +50,7 @@ def llm():
     threads = torch.get_num_threads()
     # One thread: with other jobs on the 2 cores, a second OpenMP thread mostly spins.
     llm = LLM("smollm2-135m", "float32", device="cpu", kv_cache_gb=0.25, max_batch=len(PROMPTS), threads=1,
-              timing=True)
+              timing=True, weights="auto")  # the GGUF's blocks, fp32 activations
     yield llm
     torch.set_num_threads(threads)
 
