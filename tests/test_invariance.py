@@ -46,15 +46,15 @@ def outputs():
 def test_alone_batched_reordered_and_chunked_agree(outputs, config):
     """The probe asserted the equalities while it ran; here: it covered every method of this config, greedy and
     sampled, and the chunked features."""
-    _, _, methods, lengths = invariance_probe.CONFIGS[config]
-    expected = {f"{config}/features"} | {f"{config}/{m}/{mode}" for m in methods for mode in ("greedy", "sampled")}
+    _, _, methods, lengths, modes = invariance_probe.CONFIGS[config]
+    expected = {f"{config}/features"} | {f"{config}/{m}/{mode}" for m in methods for mode in modes}
     assert expected <= set(outputs)
     for key in expected - {f"{config}/features"}:
         assert [len(o) for o in outputs[key]] == [invariance_probe.NEW_TOKENS] * len(lengths), key
 
 
 def test_greedy_speculation_equals_vanilla(outputs):
-    for config, (_, _, methods, _) in invariance_probe.CONFIGS.items():
+    for config, (_, _, methods, _, _) in invariance_probe.CONFIGS.items():
         for method in methods:
             assert outputs[f"{config}/{method}/greedy"] == outputs[f"{config}/vanilla/greedy"], (config, method)
 

@@ -34,7 +34,7 @@ PROMPTS = [
     "Explain what a hash table is and why lookups are fast, with a short example in JavaScript.",
     "If a train travels 120 km in 1.5 hours, what is its average speed?",
 ]
-NEW_TOKENS = 128
+NEW_TOKENS = 64  # 20 prompts x 64 tokens: ~1.2k greedy decisions per method
 # Small trees keep the verify forward cheap on 2 CPU cores (untrained drafts accept little, so a round costs
 # about a vanilla step times the tree size); the tiny-model tests cover larger trees.
 CONFIGS = {
