@@ -17,7 +17,10 @@ SHAPES = {
     "decode-b1-2k": ([2048], [1], 9, 3, 64, False),
     "decode-b8-1k": ([1024 - 64 * i for i in range(8)], [1] * 8, 9, 3, 64, False),
     "tree64-b1-1k": ([1024], [64], 9, 3, 64, True),
+    "prefill-128": ([0], [128], 9, 3, 64, False),
     "prefill-512": ([0], [512], 9, 3, 64, False),
+    "prefill-1k": ([0], [1024], 9, 3, 64, False),
+    "chunk-512-after-512": ([512], [512], 9, 3, 64, False),
 }
 if DEVICE.type == "cuda":
     SHAPES |= {

@@ -17,6 +17,8 @@ METHOD_ARGS = {
     "vanilla": {},
     "eagle3": {"depth": 2, "topk": 2, "tree_tokens": 4},        # the shipped head, a fixed small tree
     "sps": {"draft": "early-exit:24", "draft_len": 3},
+    "eagle": {"head": "random", "depth": 2, "topk": 2, "tree_tokens": 4},  # EAGLE-1: no shipped head
+    "auto": {},                                                           # adaptive: greedy only (see README)
 }
 # Prompt lengths around the kernels' thresholds: dense linears switch kernels at 8 (AVX-512) / 32 (AVX2)
 # rows, quantized ones at 16 (AMX), attention cuts tasks at 48 query rows (16 tokens x 3 heads) and once
@@ -25,13 +27,13 @@ LENGTHS = (1, 5, 8, 16, 17, 31, 33, 48, 70, 130)
 SHORT = (1, 17, 48, 70)
 NEW_TOKENS = 6
 BOTH, GREEDY = ("greedy", "sampled"), ("greedy",)
-# (dtype, weights, methods, prompt lengths, modes): every CPU dtype, quantized and dense weights; every method,
-# greedy and seeded sampled, on the default (bf16 activations, quantized weights), EAGLE-3 on dense weights
-# too; the other configs take fewer prompts and greedy requests (they share the sampling code).
+# (dtype, weights, methods, prompt lengths, modes): every CPU dtype, quantized and dense weights; every method
+# on one config or another, greedy and seeded sampled on the default (bf16 activations, quantized weights) and
+# on dense bf16 weights; the other configs take fewer prompts and greedy requests (the same sampling code).
 CONFIGS = {
     "bf16-quantized": ("bfloat16", "auto", ("vanilla", "eagle3", "sps"), LENGTHS, BOTH),
-    "fp32-quantized": ("float32", "auto", ("vanilla",), SHORT, GREEDY),
-    "bf16-dense": ("bfloat16", "dense", ("vanilla", "eagle3"), SHORT, BOTH),
+    "fp32-quantized": ("float32", "auto", ("vanilla", "auto"), SHORT, GREEDY),
+    "bf16-dense": ("bfloat16", "dense", ("vanilla", "eagle3", "eagle"), SHORT, BOTH),
     "fp32-dense": ("float32", "dense", ("vanilla",), SHORT, GREEDY),
     "fp16-dense": ("float16", "dense", ("vanilla",), SHORT, GREEDY),
 }
