@@ -23,7 +23,7 @@ METHOD_ARGS = {
 # Prompt lengths around the kernels' thresholds: dense linears switch kernels at 8 (AVX-512) / 32 (AVX2)
 # rows, quantized ones at 16 (AMX), attention cuts tasks at 48 query rows (16 tokens x 3 heads) and once
 # sent > 32-token prefills elsewhere; 1-token and long prompts at the ends.
-LENGTHS = (1, 5, 8, 16, 17, 31, 33, 48, 70, 130)
+LENGTHS = (1, 8, 16, 17, 33, 48, 130)
 SHORT = (1, 17, 48, 70)
 NEW_TOKENS = 6
 BOTH, GREEDY = ("greedy", "sampled"), ("greedy",)
