@@ -5,6 +5,8 @@
 // model, a quarter of a quantized decode step).
 //
 // weights: per layer [input_norm [H], qkv, o, post_norm [H], gate_up, down], then the final norm [H];
+// first_input, when given ([T, K0] bf16), is layer 0's attention input in place of input_norm(hidden) (an EAGLE
+// head's layer: its own norms and concatenation come before; layer 0's input_norm is then not applied);
 // formats: per layer the four linears' formats, 0 = a bf16 [N, K] weight (linear_dense), 3 / 8 = a Q4_1 / Q8_0
 // weight in eagle_kernels.quant's layout (linear_q). kv: per layer its k and v caches.
 #include <ATen/ATen.h>
@@ -99,7 +101,7 @@ bool is_bf16_vector(const at::Tensor& t, int64_t n) {
 // returned as tensors, odd shapes, bad arguments) goes op by op, whose ops report bad arguments.
 bool fits_one_region(const at::Tensor& hidden, at::TensorList weights, at::IntArrayRef formats, const at::Tensor& cos,
                      const at::Tensor& sin, at::TensorList kv, const at::Tensor& slot_mapping, int64_t Hq,
-                     at::IntArrayRef capture, bool into) {
+                     at::IntArrayRef capture, bool into, const c10::optional<at::Tensor>& first_input) {
   const int64_t L = static_cast<int64_t>(kv.size()) / 2, T = hidden.size(0), H = hidden.size(1);
   if (hidden.scalar_type() != at::kBFloat16 || (!capture.empty() && !into) || T == 0) return false;
   const at::Tensor& k0 = kv[0];
@@ -120,13 +122,17 @@ bool fits_one_region(const at::Tensor& hidden, at::TensorList weights, at::IntAr
   const at::Tensor& gate_up = weights[4];
   const int64_t I = gate_up.dim() == 2 ? gate_up.size(0) * kGroup / 2 : 0;
   if (H % 32 || (Hq * D) % 32 || I % kGroup || I == 0) return false;
+  const int64_t K0 = first_input.has_value() ? first_input->size(1) : H;
+  if (first_input.has_value() && (first_input->scalar_type() != at::kBFloat16 || !first_input->is_contiguous() ||
+                                  first_input->dim() != 2 || first_input->size(0) != T || K0 % 32))
+    return false;
   const int64_t shapes[kLinears][2] = {{H, (Hq + 2 * Hkv) * D}, {Hq * D, H}, {H, 2 * I}, {I, H}};  // K, N
   for (int64_t i = 0; i < L; ++i) {
     const at::Tensor* w = weights.data() + kPerLayer * i;
     if (!is_bf16_vector(w[0], H) || !is_bf16_vector(w[3], H)) return false;
     const at::Tensor* linears[kLinears] = {&w[1], &w[2], &w[4], &w[5]};
     for (int64_t j = 0; j < kLinears; ++j) {
-      const int64_t f = formats[kLinears * i + j], K = shapes[j][0], N = shapes[j][1];
+      const int64_t f = formats[kLinears * i + j], K = i == 0 && j == 0 ? K0 : shapes[j][0], N = shapes[j][1];
       const at::Tensor& m = *linears[j];
       if ((f != kQ4_1 && f != kQ8_0) || m.dim() != 2 || m.scalar_type() != at::kByte || !m.is_contiguous() ||
           !m.device().is_cpu() || m.size(0) * kGroup != N || m.size(1) != quantized_row_bytes(f, K))
@@ -141,7 +147,7 @@ bool fits_one_region(const at::Tensor& hidden, at::TensorList weights, at::IntAr
 at::Tensor one_region(at::Tensor& hidden, at::TensorList weights, at::IntArrayRef formats, double eps_d,
                       const at::Tensor& cos, const at::Tensor& sin, at::TensorList kv, const at::Tensor& slot_mapping,
                       const eagle::cpu::AttentionTasks& tasks, int64_t Hq, at::IntArrayRef capture,
-                      const c10::optional<at::Tensor>& capture_into) {
+                      const c10::optional<at::Tensor>& capture_into, const c10::optional<at::Tensor>& first_input) {
   using at::BFloat16;
   const int64_t L = static_cast<int64_t>(kv.size()) / 2, T = hidden.size(0), H = hidden.size(1);
   const int64_t Hkv = kv[0].size(2), D = kv[0].size(3), Nqkv = (Hq + 2 * Hkv) * D, I = weights[4].size(0) * kGroup / 2;
@@ -154,6 +160,8 @@ at::Tensor one_region(at::Tensor& hidden, at::TensorList weights, at::IntArrayRe
            *qp = q.data_ptr<BFloat16>(), *attnp = attn.data_ptr<BFloat16>(), *op = o.data_ptr<BFloat16>(),
            *gup = gate_up.data_ptr<BFloat16>(), *actp = act.data_ptr<BFloat16>(), *dp = delta.data_ptr<BFloat16>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const BFloat16* x0 = first_input.has_value() ? first_input->data_ptr<BFloat16>() : nullptr;
+  const int64_t K0 = first_input.has_value() ? first_input->size(1) : H;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   BFloat16* into = capture_into.has_value() ? capture_into->data_ptr<BFloat16>() : nullptr;
   const int64_t width = capture_into.has_value() ? capture_into->size(1) : 0;
@@ -180,10 +188,14 @@ at::Tensor one_region(at::Tensor& hidden, at::TensorList weights, at::IntArrayRe
       if (tid == 0) {
         const auto k = std::find(capture.begin(), capture.end(), i) - capture.begin();
         if (k < static_cast<int64_t>(capture.size())) capture_rows(hp, i ? dp : nullptr, T, H, slots, k, into, width);
-        eagle::cpu::rms_norm_rows(i ? dp : hp, norms[2 * i], i ? hp : nullptr, xp, T, H, eps);
+        if (i || !x0) eagle::cpu::rms_norm_rows(i ? dp : hp, norms[2 * i], i ? hp : nullptr, xp, T, H, eps);
       }
       barrier.wait(n);
-      linear(xp, H, i, 0, Nqkv, qkvp);
+      if (i == 0 && x0) {
+        linear(x0, K0, i, 0, Nqkv, qkvp);
+      } else {
+        linear(xp, H, i, 0, Nqkv, qkvp);
+      }
       barrier.wait(n);
       const auto [u0, u1] = share(units, tid, n);
       eagle::cpu::rope_write_kv_units(qkvp, cp, sp, kv[2 * i].data_ptr<BFloat16>(), kv[2 * i + 1].data_ptr<BFloat16>(),
@@ -219,7 +231,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
     at::Tensor& hidden, at::TensorList weights, at::IntArrayRef formats, double eps, const at::Tensor& cos,
     const at::Tensor& sin, at::TensorList kv, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& cu_seqlens_q, const at::Tensor& prefix_lens, const c10::optional<at::Tensor>& tree_mask,
-    int64_t num_q_heads, at::IntArrayRef capture, const c10::optional<at::Tensor>& capture_into) {
+    int64_t num_q_heads, at::IntArrayRef capture, const c10::optional<at::Tensor>& capture_into,
+    const c10::optional<at::Tensor>& first_input) {
   const int64_t L = static_cast<int64_t>(kv.size()) / 2;
   TORCH_CHECK_VALUE(static_cast<int64_t>(kv.size()) == 2 * L && L > 0, "decoder_layers: kv must hold k and v per layer");
   TORCH_CHECK_VALUE(static_cast<int64_t>(weights.size()) == kPerLayer * L + 1,
@@ -243,12 +256,17 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
                         " is outside capture_into's ", into.size(0), " rows");
     }
   }
+  if (first_input.has_value()) {
+    TORCH_CHECK_VALUE(first_input->dim() == 2 && first_input->size(0) == T && first_input->scalar_type() == at::kBFloat16 &&
+                          first_input->device().is_cpu(), "decoder_layers: first_input must be a bf16 CPU [", T, ", K0]");
+  }
   std::vector<at::Tensor> captured;
-  if (fits_one_region(hidden, weights, formats, cos, sin, kv, slot_mapping, num_q_heads, capture, slots != nullptr)) {
+  if (fits_one_region(hidden, weights, formats, cos, sin, kv, slot_mapping, num_q_heads, capture, slots != nullptr,
+                      first_input)) {
     const eagle::cpu::AttentionTasks tasks(at::empty({T, num_q_heads, kv[0].size(3)}, hidden.options()), kv[0], kv[1],
                                            block_tables, cu_seqlens_q, prefix_lens, tree_mask, c10::nullopt);
     const at::Tensor delta = one_region(hidden, weights, formats, eps, cos, sin, kv, slot_mapping, tasks, num_q_heads,
-                                        capture, capture_into);
+                                        capture, capture_into, first_input);
     return {eagle::cpu::rms_norm(delta, weights.back(), eps, hidden), captured};
   }
   at::Tensor delta;  // the previous layer's MLP output, not yet added to `hidden`
@@ -262,8 +280,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
     } else if (k < static_cast<int64_t>(capture.size())) {
       captured.push_back(delta.defined() ? hidden + delta : hidden.clone());
     }
-    at::Tensor x = delta.defined() ? eagle::cpu::rms_norm(delta, w[0], eps, hidden)
-                                   : eagle::cpu::rms_norm(hidden, w[0], eps, c10::nullopt);
+    at::Tensor x = delta.defined()      ? eagle::cpu::rms_norm(delta, w[0], eps, hidden)
+                   : first_input.has_value() ? first_input->contiguous()
+                                             : eagle::cpu::rms_norm(hidden, w[0], eps, c10::nullopt);
     at::Tensor k_cache = kv[2 * i], v_cache = kv[2 * i + 1];
     const at::Tensor q = eagle::cpu::rope_write_kv(linear(x, w[1], f[0]), cos, sin, k_cache, v_cache, slot_mapping,
                                                    num_q_heads);
@@ -280,7 +299,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("decoder_layers(Tensor(a!) hidden, Tensor[] weights, int[] formats, float eps, Tensor cos, Tensor sin,"
         " Tensor(b!)[] kv, Tensor slot_mapping, Tensor block_tables, Tensor cu_seqlens_q, Tensor prefix_lens,"
-        " Tensor? tree_mask, int num_q_heads, int[] capture, Tensor(c!)? capture_into) -> (Tensor, Tensor[])");
+        " Tensor? tree_mask, int num_q_heads, int[] capture, Tensor(c!)? capture_into, Tensor? first_input=None)"
+        " -> (Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {

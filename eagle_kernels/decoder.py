@@ -3,7 +3,9 @@
 It runs, layer after layer, exactly the kernels a per-layer forward calls (rms_norm, linear_dense / linear_q,
 rope_write_kv, paged_attention, silu_and_mul) in the same order, so its output is bit-identical to that
 forward's; it saves the host time between them. Per layer, `weights` holds [input_norm, qkv, o, post_norm,
-gate_up, down] and `formats` the four linears' formats (FORMATS); the final norm comes last.
+gate_up, down] and `formats` the four linears' formats (FORMATS); the final norm comes last. With
+`first_input` the first layer's attention reads that [T, K0] tensor instead of input_norm(hidden): an EAGLE
+head's layer, whose norms and concatenation come before it.
 """
 import torch
 
@@ -24,20 +26,21 @@ def decoder_layers_fit(hidden: torch.Tensor) -> bool:
 
 
 def decoder_layers(hidden, weights, formats, eps, cos, sin, kv, slot_mapping, block_tables, cu_seqlens_q,
-                   prefix_lens, tree_mask, num_q_heads: int, capture=(), capture_into=None):
+                   prefix_lens, tree_mask, num_q_heads: int, capture=(), capture_into=None, first_input=None):
     """hidden: [T, H] bf16 embeddings (the residual stream: updated in place); cos, sin: fp32 [T, D];
     kv: [k_cache, v_cache] per layer; metadata as paged_attention's. -> (the final norm's output [T, H],
     the inputs of the layers in `capture`, in order). With `capture_into` (bf16 [slots, len(capture) * H])
     those inputs go there instead, side by side, token t's at row slot_mapping[t] (int64), and none return."""
     if _ops.CHECKED:
         check_decoder_layers(hidden, weights, formats, cos, sin, kv, slot_mapping, block_tables, cu_seqlens_q,
-                             prefix_lens, tree_mask, num_q_heads)
+                             prefix_lens, tree_mask, num_q_heads, first_input)
     return ops().decoder_layers(hidden, weights, formats, eps, cos, sin, kv, slot_mapping, block_tables,
-                                cu_seqlens_q, prefix_lens, tree_mask, num_q_heads, list(capture), capture_into)
+                                cu_seqlens_q, prefix_lens, tree_mask, num_q_heads, list(capture), capture_into,
+                                first_input)
 
 
 def check_decoder_layers(hidden, weights, formats, cos, sin, kv, slot_mapping, block_tables, cu_seqlens_q,
-                         prefix_lens, tree_mask, num_q_heads):
+                         prefix_lens, tree_mask, num_q_heads, first_input=None):
     """ValueError unless the arguments form a stack decoder_layers can run (shapes chain from layer to layer)."""
     if not (isinstance(hidden, torch.Tensor) and hidden.dtype == torch.bfloat16 and hidden.dim() == 2
             and hidden.is_contiguous() and hidden.device.type == "cpu"):
@@ -49,6 +52,10 @@ def check_decoder_layers(hidden, weights, formats, cos, sin, kv, slot_mapping, b
     if any(f not in FORMATS.values() for f in formats):
         raise ValueError(f"decoder_layers: formats must be in {FORMATS}, got {sorted(set(formats))}")
     T, H = hidden.shape
+    if first_input is not None and not (
+            isinstance(first_input, torch.Tensor) and first_input.dtype == torch.bfloat16 and first_input.dim() == 2
+            and first_input.shape[0] == T and first_input.is_contiguous() and first_input.device.type == "cpu"):
+        raise ValueError(f"decoder_layers: first_input must be a contiguous bf16 CPU tensor [{T}, K0]")
     Hkv, D = kv[0].shape[2:]
     I2 = _out_features(weights[4], formats[2], H)
     widths = [(H, (num_q_heads + 2 * Hkv) * D), (num_q_heads * D, H), (H, I2), (I2 // 2, H)]
@@ -57,6 +64,8 @@ def check_decoder_layers(hidden, weights, formats, cos, sin, kv, slot_mapping, b
         for norm in (w[0], w[3]):
             check_rms_norm(hidden, norm)
         for name, weight, fmt, (K, N) in zip(("qkv", "o", "gate_up", "down"), (w[1], w[2], w[4], w[5]), f, widths):
+            if name == "qkv" and i == 0 and first_input is not None:
+                K = first_input.shape[1]
             if _out_features(weight, fmt, K) != N:
                 raise ValueError(f"decoder_layers: layer {i} {name} must map {K} -> {N} features")
         q = hidden.new_empty(T, num_q_heads, D)

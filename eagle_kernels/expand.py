@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from ._ops import gpu_path
+from ._ops import gpu_path, has_kernel, ops
 
 try:
     import triton
@@ -16,6 +16,7 @@ except ImportError:  # CPU-only installs: the torch path serves every device
     triton = None
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_CPU_OP = has_kernel("topk_expand", torch.device("cpu"))
 
 
 class Expansion(tuple):
@@ -59,11 +60,19 @@ def topk_expand(logits, parent_scores, k, d2t=None):
     batched = logits.dim() == 3
     if not batched:
         logits, parent_scores = logits[None], parent_scores[None]
-    run = _topk_expand_triton if gpu_path(logits) and triton is not None and k <= _MAX_K else _topk_expand_torch
+    if gpu_path(logits):
+        run = _topk_expand_triton if triton is not None and k <= _MAX_K else _topk_expand_torch
+    else:
+        run = _topk_expand_cpu if _CPU_OP and logits.device.type == "cpu" else _topk_expand_torch
     out = run(logits, parent_scores, k, d2t)
     if not batched:
         out = [t[0] for t in out]
     return Expansion(*out)
+
+
+def _topk_expand_cpu(logits, parent_scores, k, d2t):
+    """csrc/cpu_expand.cpp: one pass per row, the same picks as the torch path."""
+    return ops().topk_expand(logits, parent_scores, k, d2t)
 
 
 def _map_tokens(draft_ids, d2t):

@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 from .config import LlamaConfig
-from .model import MLP, Attention, AttnMeta, Linear, Llama, RMSNorm, Rotary
+import eagle_kernels
+from .model import MLP, Attention, AttnMeta, Linear, Llama, QLinear, RMSNorm, Rotary, fused_weight
 
 # Fused engine weights and the official per-projection names they are stored as (in concatenation order).
 _SPLIT = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -86,6 +87,7 @@ class DraftHead(nn.Module):
         self.target_cfg = target.cfg
         self._target = (target.embed_tokens, target.lm_head)  # a tuple: shared, not registered
         self.rotary = Rotary(self.cfg)
+        self.fused, self._fused = True, None  # CPU steps through eagle_kernels.decoder_layers (see _stack)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -103,9 +105,37 @@ class DraftHead(nn.Module):
         """Inference over the head's paged cache. ids, positions: [T]; hidden: [T, H]; kv_cache: the head's
         (k_cache, v_cache) [blocks, block_size, Hkv, D]; meta as for the target. -> out [T, H]."""
         x, residual = self._layer_input(ids, hidden)
-        cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = self.rotary(positions, torch.float32)
+        stack = self._stack() if eagle_kernels.decoder_layers_fit(residual) else None
+        if stack is not None:  # the same kernels as below in one C++ call (CPU steps)
+            out = residual.clone()  # the residual stream, updated in place to the layer's output
+            with eagle_kernels.unchecked():
+                eagle_kernels.decoder_layers(out, *stack, self.cfg.rms_eps, cos, sin, list(kv_cache),
+                                             meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q,
+                                             meta.prefix_lens, meta.tree_mask, self.cfg.num_heads,
+                                             first_input=x.contiguous())
+            return out
         h = residual + self.layer.self_attn(x, cos, sin, kv_cache, meta)
         return self.layer.mlp_block(h)
+
+    def _stack(self):
+        """The layer's weights for eagle_kernels.decoder_layers (its attention input comes as first_input, so
+        the input-norm slot is a placeholder, as is the final norm's, whose output goes unused), or None where
+        a linear does not fit it or `fused` is off. Built on first use, dropped by .to()."""
+        if not self.fused:
+            return None
+        if self._fused is None:
+            layer = self.layer
+            attn, mlp = layer.self_attn, layer.mlp
+            fitted = [fused_weight(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            norm = layer.post_attention_layernorm.weight
+            self._fused = False if None in fitted or norm.dtype != torch.bfloat16 else (
+                [norm, fitted[0][0], fitted[1][0], norm, fitted[2][0], fitted[3][0], norm], [f for _, f in fitted])
+        return self._fused or None
+
+    def _apply(self, fn, *args, **kwargs):
+        self._fused = None
+        return super()._apply(fn, *args, **kwargs)
 
     def _layer_input(self, ids, hidden):
         """-> (attention input [.., in_dim], residual [.., H])."""
@@ -242,6 +272,32 @@ class Eagle3Head(DraftHead):
 
 
 HEADS = {"eagle": Eagle1Head, "eagle3": Eagle3Head}
+
+
+def quantize_like_target(head: DraftHead, target: Llama) -> DraftHead:
+    """The head as served beside a block-quantized target: its fc and layer linears in the format of the
+    target's projections, its own LM head (EAGLE-3) in the format of the target's LM head, so a draft step
+    reads ~1 byte a weight (or ~0.6) instead of bf16's 2. In place; a dense target leaves the head as it is.
+    For inference only: a trainer works on the dense weights and saves them."""
+    proj, lm_head = target.layers[0].self_attn.qkv_proj, target.lm_head
+    if not isinstance(proj, QLinear):
+        return head
+    linears = [(head, "fc"), (head.layer.self_attn, "qkv_proj"), (head.layer.self_attn, "o_proj"),
+               (head.layer.mlp, "gate_up_proj"), (head.layer.mlp, "down_proj")]
+    if isinstance(head, Eagle3Head):
+        linears.append((head, "lm_head"))
+    for owner, name in linears:
+        lin = getattr(owner, name)
+        qtype = lm_head.qtype if name == "lm_head" and isinstance(lm_head, QLinear) else proj.qtype
+        if isinstance(lin, nn.Linear) and quant_supported(lin):
+            setattr(owner, name, QLinear.of(lin, qtype))
+    head._fused = None
+    return head
+
+
+def quant_supported(lin: nn.Linear) -> bool:
+    from eagle_kernels.quant import supports
+    return supports(lin.out_features, lin.in_features)
 
 
 def check_compatible(cfg: LlamaConfig, target_cfg: LlamaConfig, where: str = "head"):

@@ -35,13 +35,22 @@ class Linear(nn.Linear):
 class QLinear(nn.Module):
     """A linear layer on GGUF block-quantized weights (CPU): qweight in eagle_kernels.quant's layout."""
 
-    def __init__(self, qweight: torch.Tensor, qtype: str, in_features: int):
+    def __init__(self, qweight: torch.Tensor, qtype: str, in_features: int, bias: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("qweight", qweight)
+        self.register_buffer("bias", bias)
         self.qtype, self.in_features, self.out_features = qtype, in_features, eagle_kernels.quant.out_features(qweight)
 
+    @classmethod
+    def of(cls, linear: nn.Linear, qtype: str) -> "QLinear":
+        """A dense Linear's weight quantized to `qtype` (its bias kept dense, in the weight's dtype)."""
+        w = linear.weight.detach()
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(eagle_kernels.quant.quantize(w, qtype), qtype, linear.in_features, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return eagle_kernels.linear_q(x, self.qweight, self.qtype)
+        y = eagle_kernels.linear_q(x, self.qweight, self.qtype)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 class QEmbedding(nn.Module):
@@ -213,7 +222,7 @@ def _stack_of(layers, final_norm: RMSNorm) -> tuple[list[torch.Tensor], list[int
     weights, formats = [], []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        fitted = [_fused_weight(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        fitted = [fused_weight(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if None in fitted:
             return None
         (qkv, _), (o, _), (gate_up, _), (down, _) = fitted
@@ -222,10 +231,10 @@ def _stack_of(layers, final_norm: RMSNorm) -> tuple[list[torch.Tensor], list[int
     return weights + [final_norm.weight], formats
 
 
-def _fused_weight(lin: nn.Module) -> tuple[torch.Tensor, int] | None:
+def fused_weight(lin: nn.Module) -> tuple[torch.Tensor, int] | None:
     """(weight, format) of a linear layer for decoder_layers; None for one it cannot run (fp32 / fp16, a bias)."""
     if isinstance(lin, QLinear):
-        return lin.qweight, eagle_kernels.decoder.FORMATS[lin.qtype]
+        return None if lin.bias is not None else (lin.qweight, eagle_kernels.decoder.FORMATS[lin.qtype])
     if lin.bias is None and lin.weight.dtype == torch.bfloat16 and lin.weight.is_contiguous():
         return lin.weight, eagle_kernels.decoder.FORMATS["bf16"]
     return None

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from .adaptive import SpeculationPolicy
 from .decoding import SpeculativeDecoder, Verdict, depth_caps
-from .heads import DraftHead, detect_kind, load_head, new_head
+from .heads import DraftHead, detect_kind, load_head, new_head, quantize_like_target
 from .model import Llama
 from .model_runner import kv_layers
 from .scheduler import Sequence, cached_len
@@ -57,16 +57,16 @@ def shipped_head(kind: str, target_cfg) -> str | None:
 
 def eagle_head(spec: str | None, kind: str, target: Llama) -> DraftHead:
     """--head: a checkpoint directory, "random" (a seeded untrained head: exercises the machinery, accepts
-    little), or None for a shipped head that fits the target."""
+    little), or None for a shipped head that fits the target; quantized like the target's weights."""
     if spec == "random":
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            return new_head(kind, target)
+            return quantize_like_target(new_head(kind, target), target)
     path = spec or shipped_head(kind, target.cfg)
     if path is None:
         raise ValueError(f"no {kind} head for this model under {HEADS_DIR}: pass --head DIR "
                          f"(or --head random to test the machinery)")
-    return load_head(path, target, kind)
+    return quantize_like_target(load_head(path, target, kind), target)
 
 
 class EagleDecoder(SpeculativeDecoder):

@@ -208,3 +208,40 @@ def test_decoder_layers_bad_arguments(checkpoint):
             eagle_kernels.decoder_layers(**args(**change))
     with eagle_kernels.unchecked(), pytest.raises(ValueError, match="outside the cache"):
         eagle_kernels.decoder_layers(**args(slot_mapping=meta.slot_mapping + 10**6))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+@pytest.mark.parametrize("weights", ["bf16", "q4", "q8_0"])
+def test_head_layer_fused_equals_the_per_op_forward(checkpoint, weights, kind):
+    """An EAGLE head's layer through decoder_layers (first_input: the head's own attention input) gives the
+    bits of its per-op forward: outputs and the head's KV, for prefill-like, decode and tree steps."""
+    from engine.model import QLinear
+    from engine.spec_eagle import eagle_head
+    torch.manual_seed(1)
+    llm = engine(checkpoint, weights)
+    head = eagle_head("random", kind, llm.model)
+    assert isinstance(head.layer.mlp.down_proj, QLinear) == (weights != "bf16")  # quantized like the target
+    runner, blocks = llm.runner, llm.scheduler.blocks
+    kv = runner.new_cache(1, head.cfg.num_kv_heads, head.cfg.head_dim)
+    layer_kv = (kv[0, 0], kv[0, 1])
+    for s in (0, 1):
+        blocks.allocate(s, 0)
+    for counts, trees in (([7, 20], None), ([1, 1], None), ([3, 5], [[-1, 0, 0], [-1, 0, 1, 1, 0]])):
+        starts = [blocks.length(s) for s in (0, 1)]
+        for s, start, n in zip((0, 1), starts, counts):
+            blocks.reserve(s, start + n)
+        plan = StepPlan([blocks.block_table(s) for s in (0, 1)], starts, counts)
+        mask = None if trees is None else torch.tensor([[r] for t in trees for r in tree_rows(t)], dtype=torch.int32)
+        meta, pos, ids = runner.meta(plan, ids=torch.randint(3, VOCAB, (sum(counts),)).tolist(), tree_mask=mask)
+        hidden = torch.randn(sum(counts), 64).bfloat16()
+        before, out = kv.clone(), []
+        for fused in (True, False):
+            kv.copy_(before)
+            head.fused = fused
+            assert (head._stack() is not None) == fused
+            with torch.inference_mode():
+                out.append((head(ids.long(), hidden, pos.long(), layer_kv, meta), kv.clone()))
+        head.fused = True
+        (o1, kv1), (o2, kv2) = out
+        assert o1.abs().sum() > 0 and torch.equal(o1, o2) and torch.equal(kv1, kv2), (weights, kind, counts)
+        kv.copy_(kv1)

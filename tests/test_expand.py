@@ -23,7 +23,8 @@ if expand.triton is not None and not TRITON_USABLE:
                   "(set it in tests/conftest.py or run this file on its own)")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-IMPLS = ["torch"] + (["triton"] if TRITON_USABLE else [])
+CPP = expand._CPU_OP
+IMPLS = ["torch", "cpp"] + (["triton"] if TRITON_USABLE else [])
 
 
 def ref_topk_expand(logits, parent_scores, k, d2t=None):
@@ -49,8 +50,13 @@ def ref_topk_expand(logits, parent_scores, k, d2t=None):
 
 def run(impl, logits, parent_scores, k, d2t=None):
     """Calls the chosen implementation through the public batched/unbatched wrapper."""
-    if impl == "torch":
-        out = expand.topk_expand(logits, parent_scores, k, d2t)
+    if impl in ("torch", "cpp"):  # the public function (the C++ kernel on CPU tensors) or the torch path alone
+        if impl == "torch":
+            fn = lambda *a: expand.Expansion(*expand._topk_expand_torch(*a))
+            out = _batched(fn, logits, parent_scores, k, d2t)
+        else:
+            assert CPP, "the extension has no topk_expand kernel: rebuild it (make setup)"
+            out = expand.topk_expand(logits, parent_scores, k, d2t)
         return [*out, out.row_tokens, out.row_scores]
     batched = logits.dim() == 3
     args = [t.to(DEV) if t is not None else None for t in (logits, parent_scores, d2t)]
@@ -58,6 +64,13 @@ def run(impl, logits, parent_scores, k, d2t=None):
         args[0], args[1] = args[0][None], args[1][None]
     out = expand._topk_expand_triton(args[0], args[1], k, args[2])
     return [t.cpu() if batched else t[0].cpu() for t in out]
+
+
+def _batched(fn, logits, parent_scores, k, d2t):
+    if logits.dim() == 3:
+        return fn(logits, parent_scores, k, d2t)
+    out = fn(logits[None], parent_scores[None], k, d2t)
+    return expand.Expansion(*(t[0] for t in (*out, out.row_tokens, out.row_scores)))
 
 
 def check(out, ref, dtype):
