@@ -18,7 +18,7 @@ batch 1), and stops paying once the batch alone fills the device: then d* = 0.
   at exactly this batch size are preferred; others in the bucket are scaled per sequence. The estimate is
   the fastest of the last SAMPLES: contention on a shared machine only ever adds time, and comes in bursts
   that must not leave a depth played rarely with only slow samples. A round that built a step on a GPU
-  (graph capture, kernel compilation) reports no time.
+  (graph capture, kernel compilation; first-use allocations on a CPU) reports no time.
 - Unmeasured shapes are predicted by one line fitted over the other measured shapes, seconds ~ a + b * rows
   (rows = B * N_d verified tokens); with fewer than two distinct row counts measured there is no
   prediction and the shape is simply tried. A shape measured once counts as the lower of its sample and

@@ -275,11 +275,12 @@ HEADS = {"eagle": Eagle1Head, "eagle3": Eagle3Head}
 
 
 def quantize_like_target(head: DraftHead, target: Llama) -> DraftHead:
-    """The head as served beside a block-quantized target: its fc and layer linears in the format of the
-    target's projections, its own LM head (EAGLE-3) in the format of the target's LM head, so a draft step
-    reads ~1 byte a weight (or ~0.6) instead of bf16's 2. In place; a dense target leaves the head as it is.
+    """The head as served beside a block-quantized target: every linear of its own (fc, the layer, EAGLE-3's
+    LM head over the draft vocabulary) in the format of the target's projections, so a draft step reads ~0.6
+    bytes a weight (Q4_1) instead of bf16's 2. The shipped head accepts as often this way as in bf16 or with
+    a Q8_0 LM head (benchmarks/RESULTS.md, session 11). In place; a dense target leaves the head as it is.
     For inference only: a trainer works on the dense weights and saves them."""
-    proj, lm_head = target.layers[0].self_attn.qkv_proj, target.lm_head
+    proj = target.layers[0].self_attn.qkv_proj
     if not isinstance(proj, QLinear):
         return head
     linears = [(head, "fc"), (head.layer.self_attn, "qkv_proj"), (head.layer.self_attn, "o_proj"),
@@ -288,9 +289,8 @@ def quantize_like_target(head: DraftHead, target: Llama) -> DraftHead:
         linears.append((head, "lm_head"))
     for owner, name in linears:
         lin = getattr(owner, name)
-        qtype = lm_head.qtype if name == "lm_head" and isinstance(lm_head, QLinear) else proj.qtype
         if isinstance(lin, nn.Linear) and quant_supported(lin):
-            setattr(owner, name, QLinear.of(lin, qtype))
+            setattr(owner, name, QLinear.of(lin, proj.qtype))
     head._fused = None
     return head
 

@@ -120,7 +120,9 @@ class EagleDecoder(SpeculativeDecoder):
         t0, graphs, self.backlog_s = time.perf_counter(), len(self.graphs), 0.0
         new = super().step(seqs)
         self.last_pairs = sum(len(t) for t in new)
-        warm_up = self.runner.device.type == "cuda" and len(self.graphs) > graphs  # a step built: capture, compile
+        # A round that built a step shape is no sample: graph capture and compilation on a GPU, first-use
+        # allocations and the head's fused weights on a CPU (~1.5x a steady round, enough to rule a depth out).
+        warm_up = len(self.graphs) > graphs
         seconds = None if warm_up else time.perf_counter() - t0 - self.backlog_s
         self.policy.observe(len(seqs), self.depth, seconds,
                             [len(t) - 1 for t, cap in zip(new, self.caps) if cap >= self.depth], self.backlog_s)
@@ -157,7 +159,10 @@ class EagleDecoder(SpeculativeDecoder):
             F = front.shape[1]
             tree, front = tree_policy.expand(tree, head.logits(out[:, -F:]), front, depth, head.d2t)
             history = torch.cat([history, front], 1)
-        return tree.select(tree_policy.verify_tokens - 1, runner.to_device(self.caps)), None
+        budget = tree_policy.verify_tokens - 1
+        if tree.num_nodes - 1 <= budget and min(self.caps) >= self.depth:
+            return tree, None  # select would keep every node (chains, small trees): the tree as drafted
+        return tree.select(budget, runner.to_device(self.caps)), None
 
     def _feed_pending(self, seqs):
         """Feed the unfed pairs of `seqs` in one head forward; each sequence's last pair becomes its root."""

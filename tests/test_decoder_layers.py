@@ -220,7 +220,9 @@ def test_head_layer_fused_equals_the_per_op_forward(checkpoint, weights, kind):
     torch.manual_seed(1)
     llm = engine(checkpoint, weights)
     head = eagle_head("random", kind, llm.model)
-    assert isinstance(head.layer.mlp.down_proj, QLinear) == (weights != "bf16")  # quantized like the target
+    quantized = [isinstance(lin, QLinear) for lin in (head.fc, head.layer.mlp.down_proj)
+                 + ((head.lm_head,) if kind == "eagle3" else ())]
+    assert quantized == [weights != "bf16"] * len(quantized)  # quantized like the target's projections
     runner, blocks = llm.runner, llm.scheduler.blocks
     kv = runner.new_cache(1, head.cfg.num_kv_heads, head.cfg.head_dim)
     layer_kv = (kv[0, 0], kv[0, 1])
