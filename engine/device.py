@@ -19,11 +19,12 @@ class DeviceDefaults:
     cuda_graphs: bool
 
 
-# A CPU verifies more than ~5 tokens at compute-bound cost, so small trees win there (depth 2, top-2,
-# 4 tokens measured best for the shipped head, benchmarks/RESULTS.md); a GPU verifies dozens of tokens for
-# about the price of one: EAGLE-2's defaults (depth 6, top-10, 60 tokens).
+# A CPU pays for every verified row (on AVX2 a quantized step is compute-bound from 2 rows), so a chain wins
+# there: depth 2, top-1, 3 tokens, whose first level verifies 2 tokens where a top-2 tree's verifies 3
+# (benchmarks/RESULTS.md, session 11: fixed EAGLE-3 1.02x / 0.94x vanilla against the (2, 2, 4) tree's 0.99x /
+# 0.83x); a GPU verifies dozens of tokens for about the price of one: EAGLE-2's defaults (6, 10, 60).
 DEFAULTS = {
-    "cpu": DeviceDefaults(dtype="bfloat16", kv_cache_gb=0.5, tree=(2, 2, 4), cuda_graphs=False),
+    "cpu": DeviceDefaults(dtype="bfloat16", kv_cache_gb=0.5, tree=(2, 1, 3), cuda_graphs=False),
     "cuda": DeviceDefaults(dtype="bfloat16", kv_cache_gb=None, tree=(6, 10, 60), cuda_graphs=True),
 }
 CUDA_KV_SHARE = 0.8  # of the free memory after the weights (vLLM's gpu_memory_utilization is 0.9 of all)
