@@ -163,7 +163,8 @@ class SpeculativeDecoder(Decoder):
         logits = g.run(plan.padded(Bp), **given)
         logits = logits.view(Bp, N, -1)[:B]                                              # [B, N, V]
         path, length, nxt = self.accept(seqs, tree, logits, draft_probs)
-        self.keep_path(g.meta.slot_mapping.view(Bp, N)[:B], path)
+        if not self.causal:  # a chain's accepted path is its prefix, already in place
+            self.keep_path(g.meta.slot_mapping.view(Bp, N)[:B], path)
         on_path = tree.tokens.gather(1, path.clamp(min=0).long())
         summary = torch.cat([length[:, None].long(), nxt[:, None], path.long(), on_path], 1)  # [B, 2N + 2]
         return summary

@@ -16,6 +16,7 @@ class DeviceDefaults:
     dtype: str
     kv_cache_gb: float | None     # None: a share of the device memory left after the weights
     tree: tuple[int, int, int]    # EAGLE-2 dynamic tree: depth, top-k, verified tokens
+    min_prob: float               # its confidence cut (trees.DynamicTree); 0: the whole shape every round
     cuda_graphs: bool
 
 
@@ -24,8 +25,10 @@ class DeviceDefaults:
 # (benchmarks/RESULTS.md, session 11: fixed EAGLE-3 1.02x / 0.94x vanilla against the (2, 2, 4) tree's 0.99x /
 # 0.83x); a GPU verifies dozens of tokens for about the price of one: EAGLE-2's defaults (6, 10, 60).
 DEFAULTS = {
-    "cpu": DeviceDefaults(dtype="bfloat16", kv_cache_gb=0.5, tree=(2, 1, 3), cuda_graphs=False),
-    "cuda": DeviceDefaults(dtype="bfloat16", kv_cache_gb=None, tree=(6, 10, 60), cuda_graphs=True),
+    "cpu": DeviceDefaults(dtype="bfloat16", kv_cache_gb=0.5, tree=(2, 1, 3), min_prob=0.0,
+                          cuda_graphs=False),
+    "cuda": DeviceDefaults(dtype="bfloat16", kv_cache_gb=None, tree=(6, 10, 60), min_prob=0.0,
+                           cuda_graphs=True),
 }
 CUDA_KV_SHARE = 0.8  # of the free memory after the weights (vLLM's gpu_memory_utilization is 0.9 of all)
 

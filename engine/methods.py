@@ -35,13 +35,15 @@ def make_sps(llm) -> Decoder:
 def make_eagle(llm, kind: str, adaptive: bool = False) -> Decoder:
     """adaptive (or --adaptive): a SpeculationPolicy picks each round's depth, 0 .. the dynamic tree's."""
     args = llm.method_args
-    check_args(kind, args, {"head", "tree", "depth", "topk", "tree_tokens", "adaptive"})
+    check_args(kind, args, {"head", "tree", "depth", "topk", "tree_tokens", "min_prob", "adaptive"})
     head = eagle_head(args.get("head"), kind, llm.model)
     shape = args.get("tree", "dynamic")
     policy = None
     if shape == "dynamic":
-        d, k, m = defaults(llm.runner.device).tree
-        tree = DynamicTree(args.get("depth", d), args.get("topk", k), args.get("tree_tokens", m))
+        preset = defaults(llm.runner.device)
+        d, k, m = preset.tree
+        tree = DynamicTree(args.get("depth", d), args.get("topk", k), args.get("tree_tokens", m),
+                           args.get("min_prob", preset.min_prob))
         if args.get("adaptive", adaptive):  # one per head and tree: its measurements outlive the decoder
             policy = llm.policies.setdefault((kind, repr(sorted(args.items()))),
                                              SpeculationPolicy(EagleDecoder.verify_tokens(tree)))

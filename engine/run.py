@@ -65,9 +65,11 @@ METHOD_FLAGS = [
     ("--draft-len", dict(type=int, default=None, help="sps: draft chain length k")),
     ("--head", dict(default=None, help="eagle/eagle3 head checkpoint directory")),
     ("--tree", dict(default=None, help="eagle: 'dynamic' (EAGLE-2) or 'static' (EAGLE-1 tree)")),
-    ("--depth", dict(type=int, default=None, help="dynamic tree depth D (default 2 on CPU, 6 on GPU)")),
-    ("--topk", dict(type=int, default=None, help="dynamic tree top-k K (default 2 on CPU, 10 on GPU)")),
-    ("--tree-tokens", dict(type=int, default=None, help="dynamic tree: total verified tokens M (default 4 on CPU, 60 on GPU)")),
+    ("--depth", dict(type=int, default=None, help="dynamic tree depth D (default: the device's, engine/device.py)")),
+    ("--topk", dict(type=int, default=None, help="dynamic tree top-k K (default: the device's; 1 = a chain)")),
+    ("--tree-tokens", dict(type=int, default=None, help="dynamic tree: total verified tokens M (default: the device's)")),
+    ("--min-prob", dict(type=float, default=None, help="dynamic tree: draft and verify only paths the head gives at "
+                        "least this probability, decided per round (default: the device's; 0 = the whole tree)")),
     ("--adaptive", dict(action="store_true", default=None, help="eagle/eagle3: pick each round's draft depth (0 = none) by batch size, measured cost and acceptance (auto does)")),
 ]
 

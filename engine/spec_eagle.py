@@ -23,6 +23,7 @@ depth; the verified tokens shrink with it (the tree's budget, capped by what d l
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import torch
@@ -84,6 +85,10 @@ class EagleDecoder(SpeculativeDecoder):
         self.fed: dict[int, int] = {}  # seq_id -> pairs in the head's cache
         self.caps: list[int] = []  # this round's depth caps per sequence
         self.last_pairs, self.backlog_s = 0, 0.0  # tokens the last round added; feeding time not charged to a round
+        self.planned = 0  # the depth this round set out to draft (the policy's choice; confidence may stop sooner)
+        # A chain drafts level by level like decode steps (its drafts have no cousins: their KV stays), and
+        # is verified causally with its accepted prefix already in place.
+        self.causal = tree.chain
         fed = sum(tree.frontier_sizes())
         # Verification writes the tree at L ..; drafting the history at L - 1 ..
         self.lookahead = max(tree.verify_tokens, fed - 1)
@@ -124,8 +129,10 @@ class EagleDecoder(SpeculativeDecoder):
         # allocations and the head's fused weights on a CPU (~1.5x a steady round, enough to rule a depth out).
         warm_up = len(self.graphs) > graphs
         seconds = None if warm_up else time.perf_counter() - t0 - self.backlog_s
-        self.policy.observe(len(seqs), self.depth, seconds,
-                            [len(t) - 1 for t, cap in zip(new, self.caps) if cap >= self.depth], self.backlog_s)
+        # Observed as the depth chosen: its time and its tokens are what choosing it yields, confidence stops
+        # included.
+        self.policy.observe(len(seqs), self.planned, seconds,
+                            [len(t) - 1 for t, cap in zip(new, self.caps) if cap >= self.planned], self.backlog_s)
         return new
 
     def drafted_depth(self, tree) -> int:
@@ -139,10 +146,13 @@ class EagleDecoder(SpeculativeDecoder):
         # Each sequence's tree is cut to its own cap (select); a round that drafts at all drafts a level even
         # when every cap is 0, so a capped sequence verifies its root alone as it would beside others: the
         # same random draws, whatever its companions.
-        self.depth = min(want, max(1, max(self.caps)))
+        self.depth = self.planned = min(want, max(1, max(self.caps)))
         if self.depth == 0:
             return None, None
         self._feed_pending(seqs)
+        if tree_policy.chain:
+            return self._draft_chain(seqs), None
+        floor = math.log(tree_policy.min_prob) if tree_policy.min_prob else None
         tree = Tree.roots(runner.to_device([s.all_ids[-1] for s in seqs]))
         root_hidden = torch.stack([self.root[s.seq_id][0] for s in seqs])                  # [B, H]
         out = torch.stack([self.root[s.seq_id][1] for s in seqs])[:, None]                  # [B, 1, H]
@@ -159,10 +169,54 @@ class EagleDecoder(SpeculativeDecoder):
             F = front.shape[1]
             tree, front = tree_policy.expand(tree, head.logits(out[:, -F:]), front, depth, head.d2t)
             history = torch.cat([history, front], 1)
+            if floor is not None and depth < self.depth and tree.scores.gather(1, front).max().item() < floor:
+                self.depth = depth  # no path worth a deeper level (a host read: min_prob is for the CPU)
+                break
         budget = tree_policy.verify_tokens - 1
-        if tree.num_nodes - 1 <= budget and min(self.caps) >= self.depth:
-            return tree, None  # select would keep every node (chains, small trees): the tree as drafted
-        return tree.select(budget, runner.to_device(self.caps)), None
+        if floor is None:
+            if tree.num_nodes - 1 <= budget and min(self.caps) >= self.depth:
+                return tree, None  # select would keep every node (small trees): the tree as drafted
+            return tree.select(budget, runner.to_device(self.caps)), None
+        # Only candidates at least min_prob likely; a round verifies the root alone rather than decoding, so a
+        # sampled sequence draws the same way whatever its companions drafted.
+        tree = tree.select(budget, runner.to_device(self.caps), floor)
+        return tree.prefix(int(tree.sizes.max())), None
+
+    def _draft_chain(self, seqs) -> Tree:
+        """Top-1 drafts, one head step a level over each sequence's newest node (the pair of the depth-d node
+        sits at L - 1 + d, L = the target's cached tokens), causal over the head's cache, which keeps the
+        chain's KV (overwritten when the next round feeds the accepted pairs). With min_prob, a sequence's
+        chain ends before its first draft less likely than that; the round drafts while any goes on."""
+        head, runner, policy = self.head, self.runner, self.tree
+        B = len(seqs)
+        Bp = runner.batch_rows(B)
+        levels = min(self.depth, policy.verify_tokens - 1)
+        starts = [cached_len(s) - 1 for s in seqs]
+        out = torch.stack([self.root[s.seq_id][1] for s in seqs])                           # [B, H]
+        tokens = [runner.to_device([s.all_ids[-1] for s in seqs])]                          # per level: [B]
+        score = torch.zeros(B, device=out.device)                                            # log-prob [B]
+        floor = math.log(policy.min_prob) if policy.min_prob else None
+        lengths = [min(levels, c) for c in self.caps]
+        for depth in range(1, levels + 1):
+            if depth > 1:  # the depth - 1 node: its token, its parent's output as its hidden
+                plan = self.plan(seqs, [s + depth - 1 for s in starts], [1] * B).padded(Bp)
+                g = runner.graph(self.graphs, ("chain", Bp), plan, self._chain_fn, {
+                    "ids": ((Bp,), torch.int64), "hidden": ((Bp, out.shape[-1]), out.dtype)})
+                out = g.run(plan, ids=tokens[-1], hidden=out)[:B]
+            logits = head.logits(out)                                                        # [B, Vd]
+            best, top = logits.max(-1)
+            tokens.append(head.to_target(top))
+            if floor is not None:  # a host read: min_prob is for the CPU
+                score = score + (best - torch.logsumexp(logits, -1))
+                lengths = [n if n < depth or ok else depth - 1 for n, ok in zip(lengths, (score >= floor).tolist())]
+            if max(lengths) <= depth:
+                break
+        # A chain cut to the root alone is still verified (not decoded): the same draws as beside others.
+        self.depth = N = max(lengths)
+        return Tree.chains(torch.stack(tokens[:N + 1], 1), runner.index([n + 1 for n in lengths]))
+
+    def _chain_fn(self, g):
+        return self.head(g.inputs["ids"], g.inputs["hidden"], g.positions, self.head_layers[0], g.meta)
 
     def _feed_pending(self, seqs):
         """Feed the unfed pairs of `seqs` in one head forward; each sequence's last pair becomes its root."""

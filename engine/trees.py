@@ -78,13 +78,15 @@ class Tree:
                     torch.where(keep, self.scores.gather(1, ids), 0.0),
                     keep.sum(1).int())
 
-    def select(self, budget: int, max_depth: torch.Tensor) -> "Tree":
-        """The root and the `budget` best candidates by score whose depth <= max_depth[b] (int [B]). Scores
-        never rise along a path and ties go to the lower (older) id, so the kept set is closed under
-        ancestors; sorted by id it is in BFS order with siblings best first."""
+    def select(self, budget: int, max_depth: torch.Tensor, floor: float | None = None) -> "Tree":
+        """The root and the `budget` best candidates by score whose depth <= max_depth[b] (int [B]) and, with
+        `floor`, whose score >= floor. Scores never rise along a path and ties go to the lower (older) id, so
+        the kept set is closed under ancestors; sorted by id it is in BFS order with siblings best first."""
         B, P = self.tokens.shape
         budget = min(budget, P - 1)
         allowed = self.depths[:, 1:] <= max_depth[:, None]
+        if floor is not None:
+            allowed &= self.scores[:, 1:] >= floor
         score = torch.where(allowed, self.scores[:, 1:], -torch.inf)
         best = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :budget] + 1
         ok = allowed.gather(1, best - 1)
@@ -93,6 +95,10 @@ class Tree:
         keep = torch.cat([root == 0, chosen < P], 1)
         return self.subtree(torch.cat([root, chosen.clamp(max=P - 1)], 1), keep)
 
+    def prefix(self, n: int) -> "Tree":
+        """The first n node columns (every tree's valid nodes must lie among them)."""
+        return Tree(self.tokens[:, :n], self.parents[:, :n], self.depths[:, :n], self.scores[:, :n], self.sizes)
+
     def mask(self) -> torch.Tensor:
         """Ancestor-or-self bits int32 [B * N, W] (DESIGN.md's mask words), the tree attention mask."""
         return eagle_kernels.build_tree(self.parents, self.sizes).mask.flatten(0, 1)
@@ -100,13 +106,26 @@ class Tree:
 
 class DynamicTree:
     """EAGLE-2: expand the `topk` frontier nodes of highest cumulative draft log-prob, `depth` levels deep;
-    verify the best `tree_tokens - 1` of all candidates plus the root."""
+    verify the best `tree_tokens - 1` of all candidates plus the root.
 
-    def __init__(self, depth: int, topk: int, tree_tokens: int):
+    min_prob > 0 also lets the draft's confidence decide how much to draft, per round: drafting stops once no
+    frontier path is at least that likely (its cumulative draft probability), and no candidate less likely is
+    verified. The head's probabilities track acceptance closely (benchmarks/RESULTS.md, session 12), so a
+    round stops paying for levels and verified rows that would mostly be rejected. It reads the scores on the
+    host, so it is for devices where that costs nothing (the CPU default); 0 drafts the whole shape."""
+
+    def __init__(self, depth: int, topk: int, tree_tokens: int, min_prob: float = 0.0):
         if depth < 1 or topk < 1 or tree_tokens < 2:
             raise ValueError(f"dynamic tree needs depth >= 1, topk >= 1, tree_tokens >= 2; got "
                              f"{depth}, {topk}, {tree_tokens}")
-        self.depth, self.topk, self.verify_tokens = depth, topk, tree_tokens
+        if not 0.0 <= min_prob < 1.0:
+            raise ValueError(f"min_prob must be in [0, 1), got {min_prob}")
+        self.depth, self.topk, self.verify_tokens, self.min_prob = depth, topk, tree_tokens, min_prob
+
+    @property
+    def chain(self) -> bool:
+        """Top-1 at every level: a chain, drafted without tree bookkeeping (spec_eagle)."""
+        return self.topk == 1
 
     def frontier_sizes(self) -> list[int]:
         """Nodes expanded at each depth 0 .. depth - 1 (the root, then top-k frontiers)."""
@@ -129,6 +148,7 @@ class DynamicTree:
 class StaticTree:
     """A fixed tree of sibling-rank paths (EAGLE-1): the node (r1, .., rd) is the rd-th most likely draft
     token after its parent. Only nodes with children are fed to the draft."""
+    chain, min_prob = False, 0.0
 
     def __init__(self, paths=EAGLE1_TREE):
         paths = sorted(set(map(tuple, paths)), key=lambda p: (len(p), p))  # BFS, siblings by rank

@@ -24,6 +24,8 @@ METHODS = {
     "eagle-static": ("eagle", {"head": "random", "tree": "static"}),
     "eagle-dynamic": ("eagle", {"head": "random", "depth": 3, "topk": 3, "tree_tokens": 7}),
     "eagle3": ("eagle3", {"head": "random", "depth": 3, "topk": 4, "tree_tokens": 8}),
+    "eagle3-chain": ("eagle3", {"head": "random", "depth": 3, "topk": 1, "tree_tokens": 4}),
+    "eagle-chain": ("eagle", {"head": "random", "depth": 2, "topk": 1, "tree_tokens": 3}),
     "eagle3-adaptive": ("eagle3", {"head": "random", "depth": 3, "topk": 4, "tree_tokens": 8, "adaptive": True}),
 }
 DEPTHS = [0, 3, 1, 0, 2]  # the adaptive policy's forced schedule
@@ -156,3 +158,37 @@ def test_kv_budget_holds_the_draft_state_too(tmp_path):
         assert total * blocks / (blocks + 1) <= gb * 2**30 < total * (blocks + 2) / (blocks + 1)
         sizes[method] = blocks
     assert sizes["eagle3"] < sizes["vanilla"]
+
+
+# min_prob reads the draft's scores on the host (the CPU's default, not the GPU's), so these run unguarded. Each
+# shape's cut lies inside the random head's top-1 probabilities here (0.01 - 0.1), so rounds get cut.
+GATED = {"chain": ({"depth": 3, "topk": 1, "tree_tokens": 4}, 0.02),
+         "tree": ({"depth": 3, "topk": 3, "tree_tokens": 7}, 0.05)}
+
+
+@pytest.mark.parametrize("shape", list(GATED))
+def test_confidence_cut_stays_lossless_and_cuts(llm, reference, shape):
+    """With min_prob, rounds draft and verify less (the depth histogram moves down), greedy output is still
+    vanilla's, batched and alone, a seeded sampled request draws the same tokens alone as beside companions
+    whose chains were cut otherwise, and every block comes back."""
+    args, cut = {"head": "random", **GATED[shape][0]}, GATED[shape][1]
+    greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    llm.set_method("eagle3", args)
+    full = llm.generate(PROMPTS, greedy)[1].extra["depth_hist"]
+    llm.set_method("eagle3", {**args, "min_prob": cut})
+    seqs, stats = llm.generate(PROMPTS, greedy)
+    hist = stats.extra["depth_hist"]
+    assert [s.output_ids for s in seqs] == reference
+    assert sum(d * n for d, n in enumerate(hist)) < sum(d * n for d, n in enumerate(full)), (hist, full)
+    assert llm.generate(PROMPTS[:1], greedy)[0][0].output_ids == reference[0]
+    sampled = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.8, top_k=20, seed=7)
+    others = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.8, top_k=20)
+    alone = llm.generate(PROMPTS[:1], sampled)[0][0].output_ids
+    assert llm.generate(PROMPTS, [sampled] + [others] * 3)[0][0].output_ids == alone
+    assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
+
+
+def test_min_prob_out_of_range_is_a_clear_error(llm):
+    for bad in (-0.1, 1.0, 2.0):
+        with pytest.raises(ValueError, match="min_prob must be in"):
+            llm.set_method("eagle3", {"head": "random", "min_prob": bad})
