@@ -223,6 +223,10 @@ at::Tensor one_region(at::Tensor& hidden, at::TensorList weights, at::IntArrayRe
   return delta;
 }
 
+}  // namespace
+
+namespace eagle::cpu {
+
 // -> (final_norm(hidden after the last layer) [T, H], the inputs of the layers in `capture`; none when
 // `capture_into` [slots, capture.size() * H] is given: the inputs are written there instead, side by side,
 // row slot_mapping[t] for token t, the same bf16 values). hidden [T, H]: the embeddings; it carries the
@@ -294,7 +298,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
   return {eagle::cpu::rms_norm(delta, weights.back(), eps, hidden), captured};
 }
 
-}  // namespace
+}  // namespace eagle::cpu
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("decoder_layers(Tensor(a!) hidden, Tensor[] weights, int[] formats, float eps, Tensor cos, Tensor sin,"
@@ -304,5 +308,5 @@ TORCH_LIBRARY_FRAGMENT(eagle, m) {
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {
-  m.impl("decoder_layers", &decoder_layers);
+  m.impl("decoder_layers", &eagle::cpu::decoder_layers);
 }

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <tuple>
+#include <vector>
 
 namespace eagle::cpu {
 
@@ -19,6 +21,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            c10::optional<double> scale);
 at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& w);
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype);
+at::Tensor embedding_q(const at::Tensor& ids, const at::Tensor& w, int64_t qtype, at::ScalarType dtype);
+// The Llama decoder stack in one call (csrc/cpu_decoder.cpp; eagle_kernels/decoder.py has the contract).
+std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
+    at::Tensor& hidden, at::TensorList weights, at::IntArrayRef formats, double eps, const at::Tensor& cos,
+    const at::Tensor& sin, at::TensorList kv, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& prefix_lens, const c10::optional<at::Tensor>& tree_mask,
+    int64_t num_q_heads, at::IntArrayRef capture, const c10::optional<at::Tensor>& capture_into,
+    const c10::optional<at::Tensor>& first_input);
 
 // ---- pieces of those ops, for callers that split a step's work among their own threads (decoder_layers) ----
 // None allocates or throws; each computes exactly what its op computes for the rows / columns / tasks given.

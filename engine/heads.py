@@ -47,7 +47,7 @@ from torch import nn
 
 from .config import LlamaConfig
 import eagle_kernels
-from .model import MLP, Attention, AttnMeta, Linear, Llama, QLinear, RMSNorm, Rotary, fused_weight
+from .model import MLP, Attention, AttnMeta, Linear, Llama, QEmbedding, QLinear, RMSNorm, Rotary, fused_weight
 
 # Fused engine weights and the official per-projection names they are stored as (in concatenation order).
 _SPLIT = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -136,6 +136,10 @@ class DraftHead(nn.Module):
     def _apply(self, fn, *args, **kwargs):
         self._fused = None
         return super()._apply(fn, *args, **kwargs)
+
+    def chain_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """The weights and formats eagle_kernels.draft_chain drafts a chain with, or None where it cannot."""
+        return None
 
     def _layer_input(self, ids, hidden):
         """-> (attention input [.., in_dim], residual [.., H])."""
@@ -259,6 +263,23 @@ class Eagle3Head(DraftHead):
 
     def logits(self, out):
         return self.lm_head(self.norm(out)).float()
+
+    def chain_weights(self):
+        """eagle_kernels.draft_chain's weights (named by eagle_kernels.draft.WEIGHTS) and formats, or None where
+        one does not fit: the layer outside decoder_layers, fc or the LM head with a bias or in fp32, a table
+        that is not bf16 or block-quantized bf16 rows."""
+        stack, emb = self._stack(), self.embed_tokens
+        fc, lm_head = fused_weight(self.fc), fused_weight(self.lm_head)
+        if isinstance(emb, QEmbedding):
+            table = (emb.qweight, eagle_kernels.decoder.FORMATS[emb.qtype]) if emb.dtype == torch.bfloat16 else None
+        else:
+            table = (emb.weight, 0) if emb.weight.dtype == torch.bfloat16 else None
+        norms = [n.weight for n in (self.midlayer.input_layernorm, self.midlayer.hidden_norm, self.norm)]
+        if stack is None or None in (fc, lm_head, table) or any(n.dtype != torch.bfloat16 for n in norms):
+            return None
+        (post_norm, qkv, o, _, gate_up, down, _), layer_formats = stack
+        weights = [fc[0], table[0], norms[0], norms[1], qkv, o, post_norm, gate_up, down, norms[2], lm_head[0]]
+        return weights, [fc[1], table[1], *layer_formats, lm_head[1]]
 
     def raw_feature(self, feature, captured):
         # captured: the inputs of target layers (low, mid, high), each [.., H]

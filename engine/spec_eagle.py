@@ -25,10 +25,11 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 
 import torch
 
-from pathlib import Path
+import eagle_kernels
 
 from .adaptive import SpeculationPolicy
 from .decoding import SpeculativeDecoder, Verdict, depth_caps
@@ -149,6 +150,10 @@ class EagleDecoder(SpeculativeDecoder):
         self.depth = self.planned = min(want, max(1, max(self.caps)))
         if self.depth == 0:
             return None, None
+        if tree_policy.chain and eagle_kernels.draft_chain_fit(self.features):
+            weights = head.chain_weights()
+            if weights is not None:
+                return self._chain_in_one_call(seqs, *weights), None
         self._feed_pending(seqs)
         if tree_policy.chain:
             return self._draft_chain(seqs), None
@@ -215,28 +220,52 @@ class EagleDecoder(SpeculativeDecoder):
         self.depth = N = max(lengths)
         return Tree.chains(torch.stack(tokens[:N + 1], 1), runner.index([n + 1 for n in lengths]))
 
+    def _chain_in_one_call(self, seqs, weights, formats) -> Tree:
+        """_draft_chain's chain, the same bits, from one C++ call (CPU): the pending pairs fed, then the levels
+        drafted (eagle_kernels.draft_chain). A sequence whose pairs are all fed feeds its root pair again (the
+        same values rewritten). Pairs older than one round's tokens (left by prefill or rounds without drafts)
+        are fed apart first, so that the policy does not charge them to this round."""
+        self._feed_pending(seqs, keep=self.max_tree)
+        head, policy = self.head, self.tree
+        starts = [min(self.fed[s.seq_id], cached_len(s) - 1) for s in seqs]
+        counts = [cached_len(s) - f for s, f in zip(seqs, starts)]
+        tokens = [t for s, f, n in zip(seqs, starts, counts) for t in s.all_ids[f + 1:f + 1 + n]]
+        meta, pos, ids = self.runner.meta(self.plan(seqs, starts, counts), ids=tokens)
+        levels = min(self.depth, policy.verify_tokens - 1)
+        with eagle_kernels.unchecked():
+            chains, sizes = eagle_kernels.draft_chain(
+                self.features, ids, pos, meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q, meta.prefix_lens,
+                [min(levels, c) for c in self.caps], policy.min_prob, weights, formats, head.d2t, head.cfg.rms_eps,
+                head.rotary.cos, head.rotary.sin, list(self.head_layers[0]), head.cfg.num_heads)
+        for s in seqs:
+            self.fed[s.seq_id] = cached_len(s)
+        self.depth = chains.shape[1] - 1
+        return Tree.chains(chains, sizes)
+
     def _chain_fn(self, g):
         return self.head(g.inputs["ids"], g.inputs["hidden"], g.positions, self.head_layers[0], g.meta)
 
-    def _feed_pending(self, seqs):
-        """Feed the unfed pairs of `seqs` in one head forward; each sequence's last pair becomes its root."""
-        todo = [s for s in seqs if self.fed[s.seq_id] < cached_len(s)]
+    def _feed_pending(self, seqs, keep: int = 0):
+        """Feed the unfed pairs of `seqs` in one head forward, all but each sequence's newest `keep` (those
+        are then this round's own: the time is the backlog's). With keep 0 each last pair becomes its root."""
+        todo = [s for s in seqs if self.fed[s.seq_id] < cached_len(s) - keep]
         if not todo:
             return
         t0 = time.perf_counter()
         starts = [self.fed[s.seq_id] for s in todo]
-        counts = [cached_len(s) - f for s, f in zip(todo, starts)]
+        counts = [cached_len(s) - keep - f for s, f in zip(todo, starts)]
         tokens = [t for s, f, n in zip(todo, starts, counts) for t in s.all_ids[f + 1:f + 1 + n]]
         meta, pos, ids = self.runner.meta(self.plan(todo, starts, counts), ids=tokens)
         hidden = self.head.project(self.features.index_select(0, meta.slot_mapping))        # [T, H]
         out = self.head(ids, hidden, pos, self.head_layers[0], meta)
         end = 0
-        for s, n in zip(todo, counts):
+        for s, f, n in zip(todo, starts, counts):
             end += n
-            self.fed[s.seq_id] = cached_len(s)
+            self.fed[s.seq_id] = f + n
             self.root[s.seq_id] = (hidden[end - 1], out[end - 1])
         # Pairs left by earlier rounds (prefill, rounds without drafts) are not this round's cost.
-        self.backlog_s = (time.perf_counter() - t0) * (1 - min(self.last_pairs, len(tokens)) / len(tokens))
+        seconds = time.perf_counter() - t0
+        self.backlog_s = seconds if keep else seconds * (1 - min(self.last_pairs, len(tokens)) / len(tokens))
 
     def _forward(self, seqs, starts, fed: Tree, hidden) -> torch.Tensor:
         """The head over the drafted history (fed.tokens [B, n], hidden [B, n, H]) -> outputs [B, n, H]."""

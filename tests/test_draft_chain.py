@@ -1,0 +1,132 @@
+"""eagle_kernels.draft_chain (an EAGLE-3 head's feed and top-1 chain in one C++ call) against the head's per-op
+forward, its reference: the same drafts round by round (tokens and kept lengths, with and without min_prob's
+cut, batched and alone, quantized and bf16 weights, fixed depths and the adaptive policy's), so the same
+outputs, greedy (vanilla's) and seeded sampled; and bad arguments get a clear ValueError."""
+import itertools
+
+import pytest
+import torch
+
+import eagle_kernels
+import engine.spec_eagle
+from engine.llm import LLM
+from engine.scheduler import SamplingParams
+from tests.conftest import write_tiny_llama
+from tests.test_speculative_sampling import write_tokenizer
+
+VOCAB = 96
+PROMPTS = [[1, 5, 9, 11, 4], [1, 7], [1, 3, 3, 3, 4, 5, 6, 7, 8], [1, 40, 41]]
+CHAIN = {"head": "random", "depth": 3, "topk": 1, "tree_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chain")
+    hf = write_tiny_llama(path, seed=11, vocab_size=VOCAB, num_hidden_layers=8)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8.0)  # peaked: a random head's drafts are accepted now and then
+    hf.save_pretrained(str(path), safe_serialization=True)
+    write_tokenizer(path, VOCAB)
+    return path
+
+
+@pytest.fixture(scope="module", params=["q4", "bf16"])
+def llm(checkpoint, request):
+    return LLM(str(checkpoint), "bfloat16", device="cpu", kv_cache_gb=0.02, block_size=8, max_batch=4,
+               weights=request.param)
+
+
+def drafting(llm, args, fused: bool, monkeypatch):
+    """Set the method; -> (the rounds' drafts, as (tokens, sizes), the C++ calls made) as they run."""
+    llm.set_method("eagle3", args)
+    decoder, rounds, calls = llm.decoder, [], []
+    if fused:
+        with torch.inference_mode():  # as generate runs
+            assert eagle_kernels.draft_chain_fit(decoder.features) and decoder.head.chain_weights() is not None
+    else:  # the reference: the head's forward op by op, level by level
+        decoder.head.chain_weights = lambda: None
+    if decoder.policy is not None:  # the policy decides, a schedule visiting every depth (0 included) picks
+        choose, schedule = decoder.policy.choose, itertools.cycle([0, 3, 1, 0, 2])
+        decoder.policy.choose = lambda batch: (choose(batch), next(schedule))[1]
+    draft, kernel = decoder.draft, eagle_kernels.draft_chain
+
+    def recorded(seqs):
+        tree, probs = draft(seqs)
+        rounds.append(None if tree is None else (tree.tokens.clone(), tree.sizes.clone()))
+        return tree, probs
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+    decoder.draft = recorded
+    monkeypatch.setattr(engine.spec_eagle.eagle_kernels, "draft_chain", counted)
+    return rounds, calls
+
+
+@pytest.mark.parametrize("args", [CHAIN, {**CHAIN, "min_prob": 0.03}, {**CHAIN, "adaptive": True}],
+                         ids=["chain", "min_prob", "adaptive"])
+def test_one_call_drafts_what_the_head_drafts_op_by_op(llm, args, monkeypatch):
+    greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.8, top_k=20, seed=3)
+    llm.set_method("vanilla")
+    reference = [s.output_ids for s in llm.generate(PROMPTS, greedy)[0]]
+    runs = {}
+    for fused in (True, False):
+        rounds, calls = drafting(llm, args, fused, monkeypatch)
+        outputs = [[s.output_ids for s in llm.generate(PROMPTS, greedy)[0]],
+                   llm.generate(PROMPTS[:1], greedy)[0][0].output_ids,
+                   [s.output_ids for s in llm.generate(PROMPTS, sampled)[0]]]
+        runs[fused] = rounds, outputs
+        assert (len(calls) > 0) == fused
+        assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
+        monkeypatch.undo()
+    (rounds, outputs), (reference_rounds, reference_outputs) = runs[True], runs[False]
+    assert len(rounds) == len(reference_rounds)
+    for got, want in zip(rounds, reference_rounds):
+        assert (got is None) == (want is None)
+        assert got is None or (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])), (got, want)
+    assert outputs == reference_outputs
+    assert outputs[0] == reference and outputs[1] == reference[0]
+    sizes = torch.cat([r[1] for r in rounds if r is not None])
+    if "min_prob" in args:  # chains cut at different lengths
+        assert sizes.max() >= 2 and sizes.min() < sizes.max()
+    else:
+        assert sizes.max() == 4
+
+
+def test_bad_arguments_get_a_clear_error(llm, monkeypatch):
+    captured = []
+    llm.set_method("eagle3", CHAIN)
+    kernel = eagle_kernels.draft_chain
+    monkeypatch.setattr(engine.spec_eagle.eagle_kernels, "draft_chain",
+                        lambda *a: captured.append(a) or kernel(*a))
+    llm.generate(PROMPTS[:2], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    monkeypatch.undo()
+    names = ("features", "ids", "positions", "slot_mapping", "block_tables", "cu_seqlens_q", "prefix_lens",
+             "max_levels", "min_prob", "weights", "formats", "d2t", "eps", "cos", "sin", "kv", "num_q_heads")
+    good = dict(zip(names, captured[-1]))
+    assert good["cu_seqlens_q"].shape[0] == 3
+    tokens, sizes = eagle_kernels.draft_chain(**good)
+    assert tokens.shape[0] == 2 and sizes.dtype == torch.int32 and 1 <= sizes.min() <= sizes.max() <= tokens.shape[1]
+    w, f = good["weights"], good["formats"]
+    empty = good["cu_seqlens_q"].clone()
+    empty[1] = 0
+    bad = [
+        (dict(weights=w[:-1]), "weights must hold 11"),
+        (dict(formats=[5] + f[1:]), "formats must be in"),
+        (dict(weights=[w[1]] + w[1:]), "fc must map|uint8|must be"),
+        (dict(cu_seqlens_q=empty), "at least one pair"),
+        (dict(max_levels=[1]), "max_levels must be 2"),
+        (dict(max_levels=[1, -1]), "max_levels must be 2"),
+        (dict(d2t=good["d2t"] + VOCAB), "d2t maps"),
+        (dict(ids=good["ids"] + 1000), r"ids must be in \[0, 96\)"),
+        (dict(slot_mapping=good["slot_mapping"] + 10**6), "slot_mapping must be in"),
+        (dict(min_prob=1.0), r"min_prob must be in \[0, 1\)"),
+        (dict(cos=good["cos"][:2]), "rope table"),
+        (dict(num_q_heads=3), "qkv must map"),
+    ]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            eagle_kernels.draft_chain(**{**good, **change})
+    with eagle_kernels.unchecked(), pytest.raises(ValueError, match="every sequence must feed"):
+        eagle_kernels.draft_chain(**{**good, "cu_seqlens_q": empty})  # the C++ op checks what it indexes by
