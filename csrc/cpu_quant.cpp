@@ -214,57 +214,76 @@ inline void prefetch_ahead(const uint8_t* blk) {
 EAGLE_AVX2 inline void store8(float* y, __m256 v) { _mm256_storeu_ps(y, v); }
 EAGLE_AVX2 inline void store8(c10::BFloat16* y, __m256 v) { eagle::cpu::store8(y, v); }
 
-// AVX2: the group as two halves of 8 rows (a ymm lane per row).
+// AVX2: the group as two halves of 8 rows (a ymm lane per row), side by side, so that each x broadcast serves
+// both. Every output's integer sums and fp32 chain are those of a half at a time.
 template <bool Q4, int R, typename Out>
 EAGLE_AVX2 void group_avx2(const uint8_t* w, const Panel& x, Out* y, int64_t ldy) {
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < x.nb; ++b) {
-      const uint8_t* blk = w + b * group_block_bytes<Q4>();
-      if (h == 0) prefetch_ahead<Q4>(blk);
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
-      __m256i isum[R];
-      if constexpr (Q4) {
-        __m256i s16[R];  // up to 16 products of 15 * 127 per int16: no overflow
-        for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
-        for (int j = 0; j < 4; ++j) {
+  __m256 acc[2][R];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < R; ++r) acc[h][r] = _mm256_setzero_ps();
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < x.nb; ++b) {
+    const uint8_t* blk = w + b * group_block_bytes<Q4>();
+    prefetch_ahead<Q4>(blk);
+    __m256i isum[2][R];
+    if constexpr (Q4) {
+      __m256i s16[2][R];  // up to 16 products of 15 * 127 per int16: no overflow
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) s16[h][r] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        __m256i lo[2], hi[2];
+        for (int h = 0; h < 2; ++h) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + 64 * j + 32 * h));
-          const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-          for (int r = 0; r < R; ++r) {
-            const int8_t* xq = x.q + r * x.K + b * kBlock;
-            int32_t a, c;
-            std::memcpy(&a, xq + 4 * j, 4);
-            std::memcpy(&c, xq + 16 + 4 * j, 4);
-            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
-            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(c)));
-          }
+          lo[h] = _mm256_and_si256(v, nib);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
         }
-        for (int r = 0; r < R; ++r) isum[r] = _mm256_madd_epi16(s16[r], ones);
-      } else {
-        for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-        for (int j = 0; j < 8; ++j) {
-          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 64 * j + 32 * h));
-          const __m256i qa = _mm256_sign_epi8(q, q);  // |q| as unsigned; x takes q's sign
-          for (int r = 0; r < R; ++r) {
-            int32_t a;
-            std::memcpy(&a, x.q + r * x.K + b * kBlock + 4 * j, 4);
-            const __m256i p = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(_mm256_set1_epi32(a), q));
-            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = x.q + r * x.K + b * kBlock;
+          int32_t a, c;
+          std::memcpy(&a, xq + 4 * j, 4);
+          std::memcpy(&c, xq + 16 + 4 * j, 4);
+          const __m256i xa = _mm256_set1_epi32(a), xc = _mm256_set1_epi32(c);
+          for (int h = 0; h < 2; ++h) {
+            s16[h][r] = _mm256_add_epi16(s16[h][r], _mm256_maddubs_epi16(lo[h], xa));
+            s16[h][r] = _mm256_add_epi16(s16[h][r], _mm256_maddubs_epi16(hi[h], xc));
           }
         }
       }
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) isum[h][r] = _mm256_madd_epi16(s16[h][r], ones);
+    } else {
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) isum[h][r] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        __m256i q[2], qa[2];
+        for (int h = 0; h < 2; ++h) {
+          q[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 64 * j + 32 * h));
+          qa[h] = _mm256_sign_epi8(q[h], q[h]);  // |q| as unsigned; x takes q's sign
+        }
+        for (int r = 0; r < R; ++r) {
+          int32_t a;
+          std::memcpy(&a, x.q + r * x.K + b * kBlock + 4 * j, 4);
+          const __m256i xa = _mm256_set1_epi32(a);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i p = _mm256_maddubs_epi16(qa[h], _mm256_sign_epi8(xa, q[h]));
+            isum[h][r] = _mm256_add_epi32(isum[h][r], _mm256_madd_epi16(p, ones));
+          }
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
       const __m256 mw = Q4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)))
                            : _mm256_setzero_ps();
       for (int r = 0; r < R; ++r) {
         const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[r * x.nb + b]));
-        acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum[r]), acc[r]);
-        if constexpr (Q4) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[r * x.nb + b]), acc[r]);
+        acc[h][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum[h][r]), acc[h][r]);
+        if constexpr (Q4) acc[h][r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[r * x.nb + b]), acc[h][r]);
       }
     }
-    for (int r = 0; r < R; ++r) store8(y + r * ldy + 8 * h, acc[r]);
   }
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < R; ++r) store8(y + r * ldy + 8 * h, acc[h][r]);
 }
 
 EAGLE_AVX512_VNNI inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
