@@ -1,7 +1,7 @@
 """This engine against its CPU peers on the same GGUF, one request at a time, greedy.
 
     python benchmarks/e2e_cpu_peers.py [--prompts 10] [--max-tokens 128] [--threads 2]
-        [--weights auto,bf16] [--no-transformers] [--png benchmarks/plots/e2e_cpu_peers.png]
+        [--weights auto,bf16] [--no-transformers] [--llama-cpp-bin DIR] [--png benchmarks/plots/e2e_cpu_peers.png]
 
 Contenders, each in its own process (no shared thread pools or caches between them), alternated prompt by
 prompt (each prompt runs through every contender back to back, in an order that rotates, so load drift on a
@@ -10,10 +10,15 @@ shared machine hits all alike):
     (--weights: auto = the GGUF's own Q4_1/Q8_0 blocks, bf16 = dequantized);
   - llama.cpp through llama-cpp-python (optional: `pip install llama-cpp-python`; the same GGUF file, the
     same threads), greedy;
+  - native llama.cpp (optional: --llama-cpp-bin, the binaries `bash benchmarks/build_llama_cpp.sh` builds from
+    the llama-cpp-python sdist's sources): `llama-completion` on the same GGUF, the prompt as the engine's
+    chat-templated text, greedy; one process per prompt, timed by llama.cpp's own counters (prompt eval, then
+    eval: decode tokens/s is its eval rate). It reports no token ids, so its output is not compared;
   - transformers' generate (the GGUF dequantized by transformers, bf16), greedy.
 Every contender gets the same chat-templated prompt tokens and generates exactly --max-tokens tokens (EOS
 ignored). Reported per contender: decode tokens/s (tokens after the first over the time after the first:
-prefill costs all alike), end-to-end tokens/s, medians over prompts, and ratios to llama.cpp's. The
+prefill costs all alike), end-to-end tokens/s, medians over prompts, and ratios to llama.cpp's (native when
+given, else llama-cpp-python's: medians of per-prompt ratios). The
 engine's speculative outputs are checked token for token against its vanilla outputs of the same weights.
 Prompts: MT-bench-style chat turns (writing, roleplay, reasoning, math, coding, extraction, STEM,
 humanities), written for this benchmark.
@@ -59,6 +64,10 @@ class Engine:
     def chat_ids(self, text: str) -> list[int]:
         return self.llm.chat_ids(text)
 
+    def text(self, ids: list[int]) -> str:
+        """The prompt's text, special tokens spelled out (what llama.cpp's binary tokenizes back)."""
+        return self.llm.tokenizer.decode(ids, skip_special_tokens=False)
+
     def run(self, ids: list[int], n: int) -> tuple[list[int], float, float]:
         """-> (tokens, seconds to the first token, seconds in all)."""
         first = []
@@ -84,6 +93,34 @@ class LlamaCpp:
             if len(out) == n:
                 break
         return out, first - t0, time.perf_counter() - t0
+
+
+class LlamaCppNative:
+    """llama.cpp's own `llama-completion` binary, one run per prompt."""
+
+    def __init__(self, bin_dir: Path, path: Path, threads: int):
+        self.exe, self.path, self.threads = Path(bin_dir) / "llama-completion", path, threads
+        if not self.exe.is_file():
+            raise ImportError(f"{self.exe} is not built (bash benchmarks/build_llama_cpp.sh)")
+
+    def run(self, text: str, n: int) -> tuple[list[int], float, float]:
+        """-> (n placeholders (-1: the binary reports no token ids), seconds of prompt eval, seconds in all),
+        from llama.cpp's timers; ValueError if it did not generate exactly n tokens."""
+        import re
+        import subprocess
+        cmd = [str(self.exe), "-m", str(self.path), "-t", str(self.threads), "-tb", str(self.threads), "-c", "2048",
+               "-n", str(n), "--temp", "0", "--ignore-eos", "-no-cnv", "--no-warmup", "-p", text]
+        done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        timers = dict(re.findall(r"^\S*llama_perf_context_print:\s+(prompt eval|eval) time =\s+([\d.]+) ms",
+                                 done.stderr, re.M))
+        runs = re.search(r"^\S*llama_perf_context_print:\s+eval time =.*?/\s+(\d+) runs", done.stderr, re.M)
+        if done.returncode or len(timers) != 2 or runs is None:
+            raise ValueError(f"llama-completion failed ({done.returncode}): {done.stderr.strip()[-300:]}")
+        generated = int(runs[1]) + 1  # the first token comes out of the prompt's evaluation
+        if generated != n:
+            raise ValueError(f"llama-completion generated {generated} tokens, not {n}")
+        prompt_s, eval_s = float(timers["prompt eval"]) / 1e3, float(timers["eval"]) / 1e3
+        return [-1] * n, prompt_s, prompt_s + eval_s
 
 
 class Transformers:
@@ -112,7 +149,8 @@ class Transformers:
 def serve(conn, kind: str, args: tuple):
     """A contender in its own process: builds it, then answers (method name, arguments) until None."""
     try:
-        obj = {"engine": Engine, "llama.cpp": LlamaCpp, "transformers": Transformers}[kind](*args)
+        obj = {"engine": Engine, "llama.cpp": LlamaCpp, "llama.cpp native": LlamaCppNative,
+               "transformers": Transformers}[kind](*args)
     except ImportError as e:
         return conn.send(f"missing: {e}")
     except (ValueError, OSError) as e:  # a bad --weights / --model, an unreadable file
@@ -155,6 +193,8 @@ def main(argv=None):
     p.add_argument("--llama-cpp-batch", type=int, default=512,
                    help="llama.cpp's prompt batch; 1 evaluates the prompt token by token (its decode speed is the "
                         "same), for builds whose batched kernels fail on a machine")
+    p.add_argument("--llama-cpp-bin", help="directory of native llama.cpp binaries (bash "
+                   "benchmarks/build_llama_cpp.sh prints it); without it native llama.cpp is left out")
     p.add_argument("--png", default="benchmarks/plots/e2e_cpu_peers.png")
     p.add_argument("--json", default="benchmarks/plots/e2e_cpu_peers.json")
     args = p.parse_args(argv)
@@ -173,12 +213,23 @@ def main(argv=None):
     if workers["llama.cpp"].status != "ready":
         print("llama-cpp-python is not installed (pip install llama-cpp-python): llama.cpp is left out", file=sys.stderr)
         workers.pop("llama.cpp").close()
+    if args.llama_cpp_bin:
+        native = Worker("llama.cpp native", Path(args.llama_cpp_bin), src.path, args.threads)
+        if native.status != "ready":
+            sys.exit(f"e2e_cpu_peers: native llama.cpp: {native.status}")
+        workers["llama.cpp native"] = native
+    else:
+        print("no --llama-cpp-bin: native llama.cpp is left out (bash benchmarks/build_llama_cpp.sh builds it)",
+              file=sys.stderr)
     if not args.no_transformers:
         workers["transformers"] = Worker("transformers", src.path, args.threads)
     contenders = {name: w.run for name, w in workers.items()}
 
     tok = workers[f"engine vanilla ({weights[0]})"]
     prompts = [tok.call("chat_ids", text) for text in PROMPTS[:args.prompts]]
+    if "llama.cpp native" in workers:  # it takes the prompt as text
+        texts = {tuple(ids): tok.call("text", ids) for ids in prompts}
+        contenders["llama.cpp native"] = lambda ids, n: native.run(texts[tuple(ids)], n)
     for ids in prompts[:1]:  # warm-up: first-call allocations, the policy's first timings
         for run in contenders.values():
             run(ids, 16)
@@ -198,10 +249,10 @@ def main(argv=None):
 
     same = {w: sum(a == b for a, b in zip(outputs[f"engine vanilla ({w})"], outputs[f"engine auto ({w})"]))
             for w in weights}
-    ref = "llama.cpp" if "llama.cpp" in contenders else None
+    ref = next((r for r in ("llama.cpp native", "llama.cpp") if r in contenders), None)
     med = {n: statistics.median(decode[n]) for n in names}
     print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy, {args.threads} threads, batch 1")
-    print(f"| contender | decode tok/s | end-to-end tok/s |" + (" decode / llama.cpp |" if ref else ""))
+    print(f"| contender | decode tok/s | end-to-end tok/s |" + (f" decode / {ref} |" if ref else ""))
     print("|---|---|---|" + ("---|" if ref else ""))
     for n in names:
         row = f"| {n} | {med[n]:.1f} | {statistics.median(e2e[n]):.1f} |"

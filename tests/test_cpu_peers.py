@@ -1,0 +1,46 @@
+"""benchmarks/e2e_cpu_peers.py's native llama.cpp contender, against a stand-in binary that prints llama.cpp's
+timer lines: it reads prompt-eval and eval times, checks the token count, and says clearly what is missing."""
+import importlib.util
+import stat
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMERS = ("llama_perf_context_print: prompt eval time =      50.00 ms /    20 tokens (    2.50 ms per token,   "
+          "400.00 tokens per second)\n"
+          "llama_perf_context_print:        eval time =     635.00 ms /   {runs} runs   (    5.00 ms per token,   "
+          "200.00 tokens per second)\n")
+
+
+def peers():
+    spec = importlib.util.spec_from_file_location("e2e_cpu_peers", ROOT / "benchmarks" / "e2e_cpu_peers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_binary(directory: Path, stderr: str, code: int = 0):
+    directory.mkdir(exist_ok=True)
+    exe = directory / "llama-completion"
+    exe.write_text(f"#!/bin/sh\ncat >&2 <<'EOF'\n{stderr}EOF\nexit {code}\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+
+
+def test_native_llama_cpp_reads_its_own_timers(tmp_path):
+    module = peers()
+    fake_binary(tmp_path / "bin", "load_tensors: ...\n" + TIMERS.format(runs=127))
+    native = module.LlamaCppNative(tmp_path / "bin", tmp_path / "model.gguf", 2)
+    out, first_s, total_s = native.run("<|im_start|>user\nhi<|im_end|>\n", 128)
+    assert len(out) == 128 and first_s == pytest.approx(0.05) and total_s == pytest.approx(0.685)
+    with pytest.raises(ValueError, match="generated 128 tokens, not 64"):
+        native.run("hi", 64)
+
+
+def test_native_llama_cpp_failures_are_clear(tmp_path):
+    module = peers()
+    with pytest.raises(ImportError, match="build_llama_cpp.sh"):
+        module.LlamaCppNative(tmp_path / "nowhere", tmp_path / "model.gguf", 2)
+    fake_binary(tmp_path / "bin", "error: failed to load model\n", code=1)
+    with pytest.raises(ValueError, match=r"llama-completion failed \(1\).*failed to load model"):
+        module.LlamaCppNative(tmp_path / "bin", tmp_path / "model.gguf", 2).run("hi", 8)
