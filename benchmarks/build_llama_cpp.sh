@@ -5,6 +5,9 @@
 #
 #   bash benchmarks/build_llama_cpp.sh [DIR]      # default DIR: benchmarks/.llama.cpp (git-ignored)
 #
+# Then converts the shipped EAGLE-3 head for llama.cpp's EAGLE-3 drafting (DIR/bin/eagle3-head.gguf, with
+# llama.cpp's convert_hf_to_gguf.py --target-model-dir: the target's config and tokenizer are written from its
+# GGUF; the converter's one extra package, sentencepiece, goes to DIR/pylib).
 # Prints the directory of the binaries (DIR/bin). LLAMA_CPP_PYTHON_VERSION pins the sdist (default: the newest).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -31,4 +34,21 @@ mkdir -p "$dir/bin"
 for exe in llama-completion llama-bench llama-speculative-simple; do
   ln -sf "$dir/build/bin/$exe" "$dir/bin/$exe"
 done
+
+head="$root/engine/heads/smollm2-135m-eagle3"
+if [ ! -f "$dir/bin/eagle3-head.gguf" ]; then
+  "$python" -m pip install --quiet --target "$dir/pylib" sentencepiece >&2
+  (cd "$root" && "$python" - "$dir/target-hf" <<'EOF'
+import sys
+from transformers import AutoConfig
+from engine.loader import load_tokenizer, resolve_model
+src = resolve_model("smollm2-135m")
+AutoConfig.from_pretrained(str(src.path.parent), gguf_file=src.path.name).save_pretrained(sys.argv[1])
+load_tokenizer(src).save_pretrained(sys.argv[1])
+EOF
+  )
+  PYTHONPATH="$dir/pylib" "$python" "$src/vendor/llama.cpp/convert_hf_to_gguf.py" "$head" \
+    --target-model-dir "$dir/target-hf" --outfile "$dir/bin/eagle3-head.gguf" --outtype bf16 > "$dir/convert.log" 2>&1 \
+    || { tail -20 "$dir/convert.log" >&2; exit 1; }
+fi
 echo "$dir/bin"

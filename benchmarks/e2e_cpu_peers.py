@@ -13,7 +13,10 @@ shared machine hits all alike):
   - native llama.cpp (optional: --llama-cpp-bin, the binaries `bash benchmarks/build_llama_cpp.sh` builds from
     the llama-cpp-python sdist's sources): `llama-completion` on the same GGUF, the prompt as the engine's
     chat-templated text, greedy; one process per prompt, timed by llama.cpp's own counters (prompt eval, then
-    eval: decode tokens/s is its eval rate). It reports no token ids, so its output is not compared;
+    eval: decode tokens/s is its eval rate). It reports no token ids, so its output is not compared; and,
+    when the build script converted the shipped EAGLE-3 head (bin/eagle3-head.gguf), llama.cpp's EAGLE-3
+    (`llama-speculative-simple --spec-type draft-eagle3`, chains of --llama-cpp-draft drafts), timed by its own
+    encode / decode counters (decode tokens/s: the tokens it decoded over its decode time);
   - transformers' generate (the GGUF dequantized by transformers, bf16), greedy.
 Every contender gets the same chat-templated prompt tokens and generates exactly --max-tokens tokens (EOS
 ignored). Reported per contender: decode tokens/s (tokens after the first over the time after the first:
@@ -111,9 +114,10 @@ class LlamaCppNative:
         cmd = [str(self.exe), "-m", str(self.path), "-t", str(self.threads), "-tb", str(self.threads), "-c", "2048",
                "-n", str(n), "--temp", "0", "--ignore-eos", "-no-cnv", "--no-warmup", "-p", text]
         done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        timers = dict(re.findall(r"^\S*llama_perf_context_print:\s+(prompt eval|eval) time =\s+([\d.]+) ms",
-                                 done.stderr, re.M))
-        runs = re.search(r"^\S*llama_perf_context_print:\s+eval time =.*?/\s+(\d+) runs", done.stderr, re.M)
+        # "llama_perf_context_print:" (or, in newer builds, "<time> I common_perf_print:") then the timer
+        line = r"^.*?(?:llama_perf_context_print|common_perf_print):\s+"
+        timers = dict(re.findall(line + r"(prompt eval|eval) time =\s+([\d.]+) ms", done.stderr, re.M))
+        runs = re.search(line + r"eval time =.*?/\s+(\d+) runs", done.stderr, re.M)
         if done.returncode or len(timers) != 2 or runs is None:
             raise ValueError(f"llama-completion failed ({done.returncode}): {done.stderr.strip()[-300:]}")
         generated = int(runs[1]) + 1  # the first token comes out of the prompt's evaluation
@@ -121,6 +125,37 @@ class LlamaCppNative:
             raise ValueError(f"llama-completion generated {generated} tokens, not {n}")
         prompt_s, eval_s = float(timers["prompt eval"]) / 1e3, float(timers["eval"]) / 1e3
         return [-1] * n, prompt_s, prompt_s + eval_s
+
+
+class LlamaCppEagle3:
+    """llama.cpp's EAGLE-3 drafting (`llama-speculative-simple`) with the shipped head, one run per prompt."""
+
+    def __init__(self, bin_dir: Path, path: Path, threads: int, drafts: int):
+        self.exe, self.head = Path(bin_dir) / "llama-speculative-simple", Path(bin_dir) / "eagle3-head.gguf"
+        self.path, self.threads, self.drafts = path, threads, drafts
+        for f in (self.exe, self.head):
+            if not f.is_file():
+                raise ImportError(f"{f} is not built (bash benchmarks/build_llama_cpp.sh)")
+
+    def run(self, text: str, n: int) -> tuple[list[int], float, float]:
+        """-> (n placeholders, seconds to the first token, seconds to the n-th) at its measured decode rate
+        (it may decode a few tokens past n: a round's accepted drafts); ValueError if it decoded fewer."""
+        import re
+        import subprocess
+        t = str(self.threads)
+        cmd = [str(self.exe), "-m", str(self.path), "-md", str(self.head), "--spec-type", "draft-eagle3",
+               "--spec-draft-n-max", str(self.drafts), "-t", t, "-tb", t, "-td", t, "-c", "2048", "-n", str(n),
+               "--temp", "0", "--ignore-eos", "-p", text]
+        done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        counters = dict((kind, (int(k), float(s))) for kind, k, s in re.findall(
+            r"^.*?(encoded|decoded)\s+(\d+) tokens in\s+([\d.]+) seconds", done.stderr, re.M))
+        if done.returncode or len(counters) != 2:
+            raise ValueError(f"llama-speculative-simple failed ({done.returncode}): {done.stderr.strip()[-300:]}")
+        (_, encode_s), (decoded, decode_s) = counters["encoded"], counters["decoded"]
+        if decoded < n:
+            raise ValueError(f"llama-speculative-simple decoded {decoded} tokens, not {n}")
+        per_token = decode_s / decoded
+        return [-1] * n, encode_s + per_token, encode_s + n * per_token
 
 
 class Transformers:
@@ -150,7 +185,7 @@ def serve(conn, kind: str, args: tuple):
     """A contender in its own process: builds it, then answers (method name, arguments) until None."""
     try:
         obj = {"engine": Engine, "llama.cpp": LlamaCpp, "llama.cpp native": LlamaCppNative,
-               "transformers": Transformers}[kind](*args)
+               "llama.cpp native eagle3": LlamaCppEagle3, "transformers": Transformers}[kind](*args)
     except ImportError as e:
         return conn.send(f"missing: {e}")
     except (ValueError, OSError) as e:  # a bad --weights / --model, an unreadable file
@@ -195,6 +230,7 @@ def main(argv=None):
                         "same), for builds whose batched kernels fail on a machine")
     p.add_argument("--llama-cpp-bin", help="directory of native llama.cpp binaries (bash "
                    "benchmarks/build_llama_cpp.sh prints it); without it native llama.cpp is left out")
+    p.add_argument("--llama-cpp-draft", type=int, default=3, help="native llama.cpp EAGLE-3's drafts a round")
     p.add_argument("--png", default="benchmarks/plots/e2e_cpu_peers.png")
     p.add_argument("--json", default="benchmarks/plots/e2e_cpu_peers.json")
     args = p.parse_args(argv)
@@ -218,6 +254,13 @@ def main(argv=None):
         if native.status != "ready":
             sys.exit(f"e2e_cpu_peers: native llama.cpp: {native.status}")
         workers["llama.cpp native"] = native
+        eagle3 = Worker("llama.cpp native eagle3", Path(args.llama_cpp_bin), src.path, args.threads,
+                        args.llama_cpp_draft)
+        if eagle3.status == "ready":
+            workers["llama.cpp native eagle3"] = eagle3
+        else:
+            print(f"native llama.cpp EAGLE-3 is left out: {eagle3.status}", file=sys.stderr)
+            eagle3.close()
     else:
         print("no --llama-cpp-bin: native llama.cpp is left out (bash benchmarks/build_llama_cpp.sh builds it)",
               file=sys.stderr)
@@ -227,9 +270,10 @@ def main(argv=None):
 
     tok = workers[f"engine vanilla ({weights[0]})"]
     prompts = [tok.call("chat_ids", text) for text in PROMPTS[:args.prompts]]
-    if "llama.cpp native" in workers:  # it takes the prompt as text
-        texts = {tuple(ids): tok.call("text", ids) for ids in prompts}
-        contenders["llama.cpp native"] = lambda ids, n: native.run(texts[tuple(ids)], n)
+    texts = {tuple(ids): tok.call("text", ids) for ids in prompts}
+    for name in ("llama.cpp native", "llama.cpp native eagle3"):  # they take the prompt as text
+        if name in workers:
+            contenders[name] = lambda ids, n, w=workers[name]: w.run(texts[tuple(ids)], n)
     for ids in prompts[:1]:  # warm-up: first-call allocations, the policy's first timings
         for run in contenders.values():
             run(ids, 16)

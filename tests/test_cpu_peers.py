@@ -27,9 +27,15 @@ def fake_binary(directory: Path, stderr: str, code: int = 0):
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
 
 
-def test_native_llama_cpp_reads_its_own_timers(tmp_path):
+@pytest.mark.parametrize("prefix", ["", "0.00.797.470 I "])
+def test_native_llama_cpp_reads_its_own_timers(tmp_path, prefix):
+    """Older builds print llama_perf_context_print lines, newer ones common_perf_print with a timestamp."""
     module = peers()
-    fake_binary(tmp_path / "bin", "load_tensors: ...\n" + TIMERS.format(runs=127))
+    timers = TIMERS.format(runs=127)
+    if prefix:
+        timers = "".join(prefix + line.replace("llama_perf_context_print", "common_perf_print") + "\n"
+                         for line in timers.splitlines())
+    fake_binary(tmp_path / "bin", "load_tensors: ...\n" + timers)
     native = module.LlamaCppNative(tmp_path / "bin", tmp_path / "model.gguf", 2)
     out, first_s, total_s = native.run("<|im_start|>user\nhi<|im_end|>\n", 128)
     assert len(out) == 128 and first_s == pytest.approx(0.05) and total_s == pytest.approx(0.685)
@@ -44,3 +50,22 @@ def test_native_llama_cpp_failures_are_clear(tmp_path):
     fake_binary(tmp_path / "bin", "error: failed to load model\n", code=1)
     with pytest.raises(ValueError, match=r"llama-completion failed \(1\).*failed to load model"):
         module.LlamaCppNative(tmp_path / "bin", tmp_path / "model.gguf", 2).run("hi", 8)
+
+
+def test_native_llama_cpp_eagle3_reads_its_counters(tmp_path):
+    """llama-speculative-simple's encode / decode counters; it may decode past n (a round's accepted drafts)."""
+    module = peers()
+    bin_dir = tmp_path / "bin"
+    with pytest.raises(ImportError, match="llama-speculative-simple is not built"):
+        module.LlamaCppEagle3(bin_dir, tmp_path / "model.gguf", 2, 3)
+    fake_binary(bin_dir, "0.01.854.073 I encoded   11 tokens in    0.100 seconds, speed:  110.000 t/s\n"
+                         "0.01.854.103 I decoded  130 tokens in    1.300 seconds, speed:  100.000 t/s\n")
+    (bin_dir / "llama-completion").rename(bin_dir / "llama-speculative-simple")
+    with pytest.raises(ImportError, match="eagle3-head.gguf is not built"):
+        module.LlamaCppEagle3(bin_dir, tmp_path / "model.gguf", 2, 3)
+    (bin_dir / "eagle3-head.gguf").write_bytes(b"")
+    eagle3 = module.LlamaCppEagle3(bin_dir, tmp_path / "model.gguf", 2, 3)
+    out, first_s, total_s = eagle3.run("hi", 128)
+    assert len(out) == 128 and first_s == pytest.approx(0.11) and total_s == pytest.approx(1.38)
+    with pytest.raises(ValueError, match="decoded 130 tokens, not 256"):
+        eagle3.run("hi", 256)
