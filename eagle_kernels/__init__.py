@@ -4,7 +4,7 @@ Public functions pick the implementation by device (Triton on CUDA, C++ / torch 
 DESIGN.md. This package knows nothing of `engine`.
 """
 from ._ops import gpu_path, triton_on_cpu, unchecked
-from .attention import move_kv, paged_attention, write_kv
+from .attention import paged_attention, write_kv
 from .decoder import decoder_layers, decoder_layers_fit
 from .draft import draft_chain, draft_chain_fit
 from .expand import topk_expand
@@ -16,6 +16,6 @@ from .sampling import argmax, sampling_probs
 from .tree import TreeIndex, build_tree
 
 __all__ = [
-    "linear", "linear_q", "embedding_q", "rms_norm", "silu_and_mul", "apply_rope", "rope_write_kv", "paged_attention", "write_kv", "decoder_layers", "decoder_layers_fit", "draft_chain", "draft_chain_fit", "move_kv", "topk_expand", "sampling_probs", "argmax",
+    "linear", "linear_q", "embedding_q", "rms_norm", "silu_and_mul", "apply_rope", "rope_write_kv", "paged_attention", "write_kv", "decoder_layers", "decoder_layers_fit", "draft_chain", "draft_chain_fit", "topk_expand", "sampling_probs", "argmax",
     "build_tree", "TreeIndex", "gpu_path", "triton_on_cpu", "unchecked", "tree_accept_greedy", "tree_accept_sample",
 ]

@@ -111,11 +111,6 @@ class SpeculationPolicy:
         self.probed[k] = self.probed.get(k, 0.0) + seconds[probe]
         return probe
 
-    def value(self, batch: int, d: int) -> float:
-        """Expected tokens per second of the batch at depth d (inf: nothing to go on, worth a try)."""
-        seconds = self.seconds(batch, d)
-        return float("inf") if seconds is None else batch * self.expected_tokens(d) / max(seconds, 1e-9)
-
     def seconds(self, batch: int, d: int) -> float | None:
         """Estimated round time at this batch size and depth; None when there is nothing to go on."""
         k = bucket(batch)

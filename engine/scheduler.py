@@ -51,7 +51,6 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None   # "stop" (EOS, or a stop string seen by the caller), "length", "abort"
-    stats: dict = field(default_factory=dict)
 
     @property
     def all_ids(self) -> list[int]:

@@ -262,7 +262,8 @@ class EagleDecoder(SpeculativeDecoder):
         for s, f, n in zip(todo, starts, counts):
             end += n
             self.fed[s.seq_id] = f + n
-            self.root[s.seq_id] = (hidden[end - 1], out[end - 1])
+            if not keep:  # the last pair is the root
+                self.root[s.seq_id] = (hidden[end - 1], out[end - 1])
         # Pairs left by earlier rounds (prefill, rounds without drafts) are not this round's cost.
         seconds = time.perf_counter() - t0
         self.backlog_s = seconds if keep else seconds * (1 - min(self.last_pairs, len(tokens)) / len(tokens))
