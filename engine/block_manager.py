@@ -31,8 +31,8 @@ class BlockManager:
     def length(self, seq_id: int) -> int:
         return self.lengths.get(seq_id, 0)
 
-    def allocate(self, seq_id: int, n: int) -> list[int]:
-        """Append room for n tokens; returns their slots. All or nothing: on OutOfBlocks nothing changes."""
+    def allocate(self, seq_id: int, n: int):
+        """Append room for n tokens. All or nothing: on OutOfBlocks nothing changes."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} tokens")
         table = self.tables.setdefault(seq_id, [])
@@ -45,7 +45,6 @@ class BlockManager:
                               f"{len(self._free)} of {self.num_blocks} free (raise --kv-cache-gb)")
         table.extend(self._free.pop() for _ in range(need))
         self.lengths[seq_id] = start + n
-        return self.slots(seq_id, start, start + n)
 
     def reserve(self, seq_id: int, length: int):
         """Make the table cover `length` positions (a no-op if it already does)."""

@@ -1,11 +1,15 @@
 """Decoders: vanilla decoding and the one speculative round every method shares.
 
-A decoder turns the running batch into new tokens per sequence: `prefill(seqs)` and `step(seqs)`, each
-returning `list[list[int]]`. The scheduler has reserved room for what a step writes and applies the result
-(appends tokens, cuts each cache back to `cached_len`). Speculative methods fill in `draft` and
-`catch_up`; the round is always:
+A decoder turns the running batch into new tokens per sequence: `prefill(seqs) -> list[list[int]]` and
+`step(seqs, depth) -> Verdict`, `depth` being the levels this round may draft (LLM.step picks it: the
+method's own, or the adaptive policy's; 0 is a plain decode step). The scheduler has reserved room for
+what a step writes and applies the result (appends tokens, cuts each cache back to `cached_len`).
+Speculative methods fill in `draft` and `catch_up`; the round is always:
 
     draft (device) -> verify (device) -> one device-to-host copy -> catch up (draft caches) -> record
+
+What a decoder keeps per sequence between rounds lives on the sequence (`Sequence.draft_state`), and what
+a round decided travels in its return values, never on the decoder.
 
 A method that reads what the target computed per token (EAGLE's head inputs) writes it in the target's
 steps themselves (`store`, by cache slot, like KV) and moves it with the accepted KV.
@@ -35,7 +39,8 @@ class Decoder:
     """What vanilla and speculative decoders share: the runner, the sampler, the scheduler's block tables."""
     lookahead = 1  # cache positions a step may write past the cached tokens
     held = 0       # of those, the positions whose KV a decoder's own cache keeps between steps
-    depth = 0      # levels the last round drafted (0: a plain decode step)
+    max_depth = 0  # the levels a round drafts unless a policy picks fewer (0: never drafts)
+    adaptive = False  # an adaptive policy (engine/adaptive.py) picks each round's depth, 0 .. max_depth
     capture = ()   # target layers whose inputs a step hands to `store` ...
     capture_into = None  # ... or writes to this [slots, len(capture) * H] store, by slot, in the forward
 
@@ -79,9 +84,6 @@ class Decoder:
         self.store(g.meta.slot_mapping, feature, captured)
         return self.model.logits(feature)
 
-    def release(self, seq_ids: list[int]):
-        """Forget retired sequences' per-sequence state."""
-
     def stats(self) -> dict:
         return {}
 
@@ -92,29 +94,42 @@ class VanillaDecoder(Decoder):
     def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
         return [[t] for t in self.prefill_target(seqs)]
 
-    def step(self, seqs: list[Sequence]) -> list[list[int]]:
-        return [[t] for t in self.decode(seqs)]
+    def step(self, seqs: list[Sequence], depth: int = 0) -> "Verdict":
+        return Verdict.decoded(self.decode(seqs))
+
+
+@dataclass
+class Draft:
+    """A round's proposal: trees on the device, rooted at each sequence's last token."""
+    tree: Tree
+    depth: int                        # levels drafted (a confidence cut may stop short of the round's depth)
+    probs: torch.Tensor | None = None  # fp32 [B, N, V]: the q that drew each node (sampled chains), else None
+    backlog_s: float = 0.0            # seconds spent feeding the draft what earlier rounds left it
 
 
 @dataclass
 class Verdict:
-    """Verification's outcome on the host (one copy)."""
-    lengths: list[int]             # accepted draft tokens per sequence
-    paths: list[list[int]]         # accepted node indices, root first (lengths[b] + 1 of them)
-    new_tokens: list[list[int]]    # accepted drafts + the bonus / corrected token
+    """A round's outcome on the host (one copy)."""
+    new_tokens: list[list[int]]    # per sequence: the accepted drafts + the bonus / corrected token
+    depth: int = 0                 # levels drafted (0: a plain decode step)
+    backlog_s: float = 0.0         # of the round's time, feeding the draft what earlier rounds left it
+
+    @property
+    def lengths(self) -> list[int]:
+        """Accepted drafts per sequence."""
+        return [len(t) - 1 for t in self.new_tokens]
 
     @classmethod
     def decoded(cls, tokens: list[int]) -> "Verdict":
         """A plain decode step's (Decoder.decode) as a verdict: only the root, and its next token."""
-        return cls([0] * len(tokens), [[0]] * len(tokens), [[t] for t in tokens])
+        return cls([[t] for t in tokens])
 
 
 class SpeculativeDecoder(Decoder):
     """The draft -> verify -> catch up round; a method implements `draft` and `catch_up`.
 
-    `draft(seqs) -> (Tree, draft_probs or None)`: trees rooted at each sequence's last token, on the
-    device, with draft_probs fp32 [B, N, V] for chains sampled from a draft distribution; no tree (None)
-    when nothing was drafted, and the round is a plain decode step.
+    `draft(seqs, depth, caps) -> Draft`: trees of up to `depth` levels (depth >= 1), sequence b's no deeper
+    than caps[b] (depth_caps).
     `catch_up(seqs, verdict)`: bring the draft's own state up to the accepted tokens."""
     causal = False    # drafts are chains: causal masking is the ancestor mask
     max_tree = 0      # the most tokens a round verifies per sequence (the random draws a round takes)
@@ -124,24 +139,29 @@ class SpeculativeDecoder(Decoder):
         self._stats = SpecStats()
         self.timing = timing
 
-    def step(self, seqs: list[Sequence]) -> list[list[int]]:
-        with self.timer("draft_s"):
-            tree, draft_probs = self.draft(seqs)
-        self.depth = 0 if tree is None else self.drafted_depth(tree)
-        with self.timer("verify_s"):
-            out = self.decode(seqs) if tree is None else self.verify(seqs, tree, draft_probs)
-        verdict = Verdict.decoded(out) if tree is None else self.read(out)
+    def step(self, seqs: list[Sequence], depth: int = 0) -> Verdict:
+        caps = depth_caps(seqs, self.model.cfg.max_position)
+        depth = round_depth(depth, caps)
+        if not depth:
+            with self.timer("verify_s"):
+                verdict = Verdict.decoded(self.decode(seqs))
+        else:
+            with self.timer("draft_s"):
+                draft = self.draft(seqs, depth, caps)
+            with self.timer("verify_s"):
+                verdict = self.read(self.verify(seqs, draft.tree, draft.probs), draft)
         with self.timer("draft_s"):
             self.catch_up(seqs, verdict)
-        self._stats.record(verdict.lengths, self.depth)
-        return verdict.new_tokens
+        self._stats.record(verdict.lengths, verdict.depth)
+        return verdict
 
-    def draft(self, seqs: list[Sequence]) -> tuple[Tree, torch.Tensor | None]:
+    def draft(self, seqs: list[Sequence], depth: int, caps: list[int]) -> Draft:
         raise NotImplementedError
 
-    def drafted_depth(self, tree: Tree) -> int:
-        """Levels the round drafted, from host values: a chain's length (SpS)."""
-        return tree.num_nodes - 1
+    def verify_widths(self) -> list[int]:
+        """Tokens verified per sequence when a round drafts d = 0 .. max_depth levels (an adaptive policy's
+        cost model)."""
+        raise NotImplementedError
 
     def catch_up(self, seqs: list[Sequence], verdict: Verdict):
         raise NotImplementedError
@@ -207,14 +227,12 @@ class SpeculativeDecoder(Decoder):
         kv = self.runner.kv.flatten(0, 1).flatten(1, 2)                     # [layers * 2, slots, Hkv, D]
         kv.index_copy_(1, dst, kv.index_select(1, src))
 
-    def read(self, summary: torch.Tensor) -> Verdict:
-        """The round's one device-to-host copy."""
+    def read(self, summary: torch.Tensor, draft: Draft) -> Verdict:
+        """The round's one device-to-host copy: verify's summary -> each sequence's accepted tokens."""
         host = summary.tolist()
         N = (summary.shape[1] - 2) // 2
-        lengths = [row[0] for row in host]
-        paths = [row[2:3 + n] for row, n in zip(host, lengths)]
-        new = [row[3 + N:3 + N + n] + [row[1]] for row, n in zip(host, lengths)]
-        return Verdict(lengths, paths, new)
+        new = [row[3 + N:3 + N + row[0]] + [row[1]] for row in host]
+        return Verdict(new, draft.depth, draft.backlog_s)
 
     def timer(self, attr: str):
         return Timer(self._stats, attr, self.runner.device) if self.timing else _UNTIMED
@@ -281,6 +299,13 @@ class Timer:
 
 
 _UNTIMED = contextlib.nullcontext()
+
+
+def round_depth(depth: int, caps: list[int]) -> int:
+    """The levels a round drafts: `depth`, but none that no sequence may use. A round that drafts at all
+    drafts a level even when every cap is 0: a capped sequence verifies its root alone, as it would beside
+    others (the same random draws, whatever its companions)."""
+    return min(depth, max(1, max(caps))) if depth else 0
 
 
 def depth_caps(seqs: list[Sequence], max_position: int) -> list[int]:

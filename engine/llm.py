@@ -2,7 +2,9 @@
 
 A decoding method ("decoder", engine/decoding.py) turns the running batch into new tokens per sequence:
 vanilla yields one token per step, speculative methods 1 + accepted drafts. The scheduler owns admission,
-the KV blocks, stop conditions and freeing.
+the KV blocks, stop conditions and freeing. `step` runs one round: it picks the round's draft depth (the
+method's, or an adaptive policy's from the rounds it has timed), has the decoder run it, and applies the
+verdict.
 """
 from __future__ import annotations
 
@@ -12,12 +14,15 @@ from typing import Callable
 
 import torch
 
+from .adaptive import SpeculationPolicy
+from .decoding import depth_caps, round_depth
 from .device import CUDA_KV_SHARE, defaults, resolve_device
 from .loader import DEFAULT_MODEL, default_weights, load_model, load_tokenizer
 from .methods import METHODS, draft_elements_per_token
-from .model_runner import ModelRunner
+from .model import Llama
+from .model_runner import ModelRunner, StepPlan
 from .sampler import Sampler
-from .scheduler import SamplingParams, Scheduler, Sequence
+from .scheduler import SamplingParams, Scheduler, Sequence, new_seq_id
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,12 +44,21 @@ class RunStats:
                 "steps": self.steps, **self.extra}
 
 
-class LLM:
-    """device: "auto" (cuda when a GPU is visible), "cpu" or "cuda"; dtype, kv_cache_gb and cuda_graphs
-    default to the device's (engine/device.py); weights: engine.loader.WEIGHTS (None: dense for float32, else
-    auto: a GGUF's blocks stay quantized on the CPU)."""
+@dataclass
+class Round:
+    """What one LLM.step did."""
+    finished: list[Sequence]   # sequences that finished in it (retired)
+    prefill: bool = False      # it prefilled newly admitted requests (else it decoded the running batch)
+    depth: int = 0             # levels it drafted (0: a plain decode step, or a prefill)
 
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str | None = None, device: str = "auto",
+
+class LLM:
+    """model: a name or path (engine.loader), or an engine Llama already on the device in `dtype` (random
+    weights for benchmarks, tests; no tokenizer then); device: "auto" (cuda when a GPU is visible), "cpu" or
+    "cuda"; dtype, kv_cache_gb and cuda_graphs default to the device's (engine/device.py); weights:
+    engine.loader.WEIGHTS (None: dense for float32, else auto: a GGUF's blocks stay quantized on the CPU)."""
+
+    def __init__(self, model: str | Llama = DEFAULT_MODEL, dtype: str | None = None, device: str = "auto",
                  kv_cache_gb: float | None = None, block_size: int = 16, max_batch: int = 16, seed: int = 0,
                  method: str = "vanilla", method_args: dict | None = None, threads: int | None = None,
                  cuda_graphs: bool | None = None, timing: bool = False, weights: str | None = None):
@@ -57,9 +71,12 @@ class LLM:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         if threads:
             torch.set_num_threads(threads)
-        weights = weights or default_weights(dtype)
-        self.model, self.cfg, self.source = load_model(model, DTYPES[dtype], str(self.device), weights)
-        self.tokenizer = load_tokenizer(self.source)
+        if isinstance(model, Llama):
+            self.model, self.cfg, self.source, self.tokenizer = model, model.cfg, None, None
+        else:
+            weights = weights or default_weights(dtype)
+            self.model, self.cfg, self.source = load_model(model, DTYPES[dtype], str(self.device), weights)
+            self.tokenizer = load_tokenizer(self.source)
         gb = kv_cache_gb if kv_cache_gb is not None else preset.kv_cache_gb
         if gb is None:  # a share of what the weights left free
             gb = CUDA_KV_SHARE * torch.cuda.mem_get_info(self.device)[0] / 2**30
@@ -75,6 +92,7 @@ class LLM:
         self.scheduler = Scheduler(num_blocks, block_size, max_batch, self.cfg.max_position, tuple(eos))
         self.timing = timing
         self.policies = {}  # adaptive policies (engine/adaptive.py) by method arguments, kept across set_method
+        self.policy: SpeculationPolicy | None = None  # the current decoder's, when it is adaptive
         self.set_method(method, method_args)
 
     def set_method(self, method: str, method_args: dict | None = None):
@@ -83,9 +101,19 @@ class LLM:
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         self.method_args = method_args or {}
-        self.decoder = METHODS[method](self)
-        self.scheduler.lookahead, self.scheduler.held = self.decoder.lookahead, self.decoder.held
-        return self.decoder
+        decoder, policy = METHODS[method](self), None
+        if decoder.adaptive:  # one per head and tree (whatever asked for adaptivity)
+            args = sorted((k, v) for k, v in self.method_args.items() if k != "adaptive")
+            policy = self.policies.setdefault((decoder.head.kind, repr(args)),
+                                              SpeculationPolicy(decoder.verify_widths()))
+        return self.use(decoder, policy)
+
+    def use(self, decoder, policy: SpeculationPolicy | None = None):
+        """Make a decoder set_method built (with its policy, if adaptive) the current one; the scheduler must
+        be idle. Benchmarks alternate methods on one loaded target this way."""
+        self.decoder, self.policy = decoder, policy
+        self.scheduler.lookahead, self.scheduler.held = decoder.lookahead, decoder.held
+        return decoder
 
     def chat_ids(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
         """A user message, or a list of {"role", "content"} messages, through the model's chat template
@@ -119,42 +147,93 @@ class LLM:
         return self.scheduler.has_work
 
     @torch.inference_mode()
-    def step(self, stats: RunStats, on_tokens: Callable[[Sequence, list[int]], None] | None = None) -> list[Sequence]:
-        """One round: prefill newly admitted requests, else one decoding step of the running batch.
+    def step(self, stats: RunStats, on_tokens: Callable[[Sequence, list[int]], None] | None = None) -> Round:
+        """One round: prefill newly admitted requests, else one decoding round of the running batch.
         `on_tokens(seq, kept)` sees each sequence's new tokens before finished ones retire (it may finish a
-        sequence itself, e.g. on a stop string). -> the sequences that finished."""
+        sequence itself, e.g. on a stop string)."""
         admitted = self.scheduler.admit()
         t0 = time.perf_counter()
         if admitted:
             self.scheduler.prepare(admitted, prefill=True)
             new = self.decoder.prefill(admitted)
-            batch = admitted
+            batch, depth = admitted, 0
             stats.prefill_s += time.perf_counter() - t0
             stats.prompt_tokens += sum(len(s.prompt_ids) for s in admitted)
         else:
             batch = [s for s in self.scheduler.running if not s.finished]
             self.scheduler.prepare(batch, prefill=False)
-            new = self.decoder.step(batch)
-            stats.decode_s += time.perf_counter() - t0
+            planned = self.policy.choose(len(batch)) if self.policy else self.decoder.max_depth
+            built = len(self.decoder.graphs)
+            verdict = self.decoder.step(batch, planned)
+            seconds = time.perf_counter() - t0
+            if self.policy:
+                # A round that built a step shape is no sample: graph capture and compilation on a GPU,
+                # first-use allocations and the head's fused weights on a CPU (~1.5x a steady round, enough
+                # to rule a depth out).
+                self._observe(batch, planned, verdict, None if len(self.decoder.graphs) > built else seconds)
+            new, depth = verdict.new_tokens, verdict.depth
+            stats.decode_s += seconds
             stats.steps += 1
         for seq, toks in zip(batch, new):
             kept = self.scheduler.commit(seq, toks)
             stats.new_tokens += len(kept)
             if on_tokens and kept:
                 on_tokens(seq, kept)
-        done = self.scheduler.retire_finished()
-        self._forget([s.seq_id for s in done])
-        return done
+        return Round(self.scheduler.retire_finished(), bool(admitted), depth)
+
+    def _observe(self, batch: list[Sequence], planned: int, verdict, seconds: float | None):
+        """The policy learns from a round as the depth it chose (confidence cuts included: its time and
+        tokens are what choosing it yields), over the sequences that could reach it; feeding the draft what
+        earlier rounds left is not this round's cost."""
+        caps = depth_caps(batch, self.cfg.max_position)
+        planned = round_depth(planned, caps)
+        accepted = [n for n, cap in zip(verdict.lengths, caps) if cap >= planned]
+        self.policy.observe(len(batch), planned, None if seconds is None else seconds - verdict.backlog_s,
+                            accepted, verdict.backlog_s)
+
+    def borrow(self, n: int = 1) -> "Borrowed":
+        """n empty sequences in the target's cache beside the requests, for work outside decoding: `with
+        llm.borrow(n) as b: b.forward(tokens)`. Their blocks come from the pool and are back when the block
+        ends; borrow while no request runs (admission does not count them)."""
+        return Borrowed(self.runner, self.scheduler.blocks, n)
 
     def abort(self, seq: Sequence):
         """Cancel a request between rounds: its KV blocks and per-sequence state are released."""
         self.scheduler.abort(seq)
-        self._forget([seq.seq_id])
 
     def abort_all(self):
-        self._forget([s.seq_id for s in self.scheduler.running])
         self.scheduler.abort_all()
 
-    def _forget(self, seq_ids: list[int]):
-        self.decoder.release(seq_ids)
-        self.sampler.release(seq_ids)
+
+class Borrowed:
+    """Sequences of the target's cache outside the scheduler's requests (LLM.borrow): benchmarks' timed
+    forwards, the trainer's target features."""
+
+    def __init__(self, runner: ModelRunner, blocks, n: int):
+        self.runner, self.blocks = runner, blocks
+        self.ids = [new_seq_id() for _ in range(n)]
+
+    def forward(self, tokens: list[list[int]], capture: tuple[int, ...] = ()):
+        """Append tokens[i] to sequence i and run the target over them, causally.
+        -> (feature [T, H], the `capture` layers' inputs, cu_seqlens list)."""
+        return self.runner.forward(self.blocks, self.ids, tokens, capture)
+
+    def plan(self, counts: list[int]) -> StepPlan:
+        """Room for counts[i] tokens after sequence i's cached ones, as a step's plan (for a caller's own
+        fixed-shape step, model_runner.StepGraph)."""
+        starts = [self.blocks.length(i) for i in self.ids]
+        for i, start, n in zip(self.ids, starts, counts):
+            self.blocks.reserve(i, start + n)
+        return StepPlan([self.blocks.block_table(i) for i in self.ids], starts, counts)
+
+    def truncate(self, lengths: list[int]):
+        """Roll sequence i back to lengths[i] cached tokens."""
+        for i, n in zip(self.ids, lengths):
+            self.blocks.truncate(i, n)
+
+    def __enter__(self) -> "Borrowed":
+        return self
+
+    def __exit__(self, *exc):
+        for i in self.ids:
+            self.blocks.free(i)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .adaptive import SpeculationPolicy
 from .decoding import Decoder, VanillaDecoder
 from .device import defaults
 from .spec_eagle import EagleDecoder, eagle_head, shipped_head
@@ -33,27 +32,25 @@ def make_sps(llm) -> Decoder:
 
 
 def make_eagle(llm, kind: str, adaptive: bool = False) -> Decoder:
-    """adaptive (or --adaptive): a SpeculationPolicy picks each round's depth, 0 .. the dynamic tree's."""
+    """adaptive (or --adaptive): a SpeculationPolicy (LLM.step's) picks each round's depth, 0 .. the dynamic
+    tree's."""
     args = llm.method_args
     check_args(kind, args, {"head", "tree", "depth", "topk", "tree_tokens", "min_prob", "adaptive"})
     head = eagle_head(args.get("head"), kind, llm.model)
     shape = args.get("tree", "dynamic")
-    policy = None
     if shape == "dynamic":
         preset = defaults(llm.runner.device)
         d, k, m = preset.tree
         tree = DynamicTree(args.get("depth", d), args.get("topk", k), args.get("tree_tokens", m),
                            args.get("min_prob", preset.min_prob))
-        if args.get("adaptive", adaptive):  # one per head and tree: its measurements outlive the decoder
-            policy = llm.policies.setdefault((kind, repr(sorted(args.items()))),
-                                             SpeculationPolicy(EagleDecoder.verify_tokens(tree)))
+        adaptive = args.get("adaptive", adaptive)
     elif shape == "static":
         check_args(f"{kind} --tree static", args, {"head", "tree"})
-        tree = StaticTree()
+        tree, adaptive = StaticTree(), False
     else:
         raise ValueError(f"--tree must be 'dynamic' or 'static', got {shape!r}")
     return EagleDecoder(llm.runner, llm.sampler, llm.scheduler.blocks, head, tree, timing=llm.timing,
-                        policy=policy)
+                        adaptive=adaptive)
 
 
 def make_auto(llm) -> Decoder:

@@ -18,14 +18,13 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.runner = runner
-        self.seeded: dict[int, torch.Generator] = {}  # seq_id -> its own generator (params.seed set)
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         if seq.params.seed is None:
             return self.generator
-        if seq.seq_id not in self.seeded:
-            self.seeded[seq.seq_id] = torch.Generator(device=self.device).manual_seed(seq.params.seed)
-        return self.seeded[seq.seq_id]
+        if seq.generator is None:  # its own stream, kept on the sequence while it runs
+            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        return seq.generator
 
     def noise(self, seqs: list[Sequence], shape: tuple[int, ...], exponential: bool) -> torch.Tensor:
         """[len(seqs), *shape] fp32: Exp(1) or U[0, 1) draws, each row from its sequence's generator."""
@@ -34,10 +33,6 @@ class Sampler:
         if all(g is self.generator for g in gens):
             return fill(torch.empty(len(seqs), *shape, device=self.device), self.generator)
         return torch.stack([fill(torch.empty(shape, device=self.device), g) for g in gens])
-
-    def release(self, seq_ids: list[int]):
-        for sid in seq_ids:
-            self.seeded.pop(sid, None)
 
     def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Target distributions after temperature / top-k / top-p; logits: [B, ..., V] -> fp32, same shape.

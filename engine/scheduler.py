@@ -44,13 +44,22 @@ class SamplingParams:
 _ids = itertools.count()
 
 
+def new_seq_id() -> int:
+    """A sequence id no other sequence (request or borrowed, engine.llm.Borrowed) has."""
+    return next(_ids)
+
+
 @dataclass
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
-    seq_id: int = field(default_factory=lambda: next(_ids))
+    seq_id: int = field(default_factory=new_seq_id)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None   # "stop" (EOS, or a stop string seen by the caller), "length", "abort"
+    # What a running sequence carries for the engine, dropped when it retires: the decoding method's draft
+    # state (EAGLE's head cursor, SpS's next draft logits) and, with params.seed, its random generator.
+    draft_state: object = None
+    generator: object = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -146,8 +155,7 @@ class Scheduler:
         done = [s for s in self.running if s.finished]
         for seq in done:
             self.running.remove(seq)
-            self.blocks.free(seq.seq_id)
-            self._reserved.pop(seq.seq_id, None)
+            self._release(seq)
         return done
 
     def abort(self, seq: Sequence):
@@ -156,17 +164,21 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.running:
             self.running.remove(seq)
-            self.blocks.free(seq.seq_id)
-            self._reserved.pop(seq.seq_id, None)
+            self._release(seq)
         seq.finish_reason = seq.finish_reason or "abort"
 
     def abort_all(self):
         """Free everything (an error mid-batch must not leak blocks)."""
         for seq in self.running:
-            self.blocks.free(seq.seq_id)
+            self._release(seq)
         self.running.clear()
         self.waiting.clear()
-        self._reserved.clear()
+
+    def _release(self, seq: Sequence):
+        """A running sequence leaves: its blocks go back to the pool, its per-sequence state goes."""
+        self.blocks.free(seq.seq_id)
+        self._reserved.pop(seq.seq_id, None)
+        seq.draft_state = seq.generator = None
 
     @property
     def has_work(self) -> bool:

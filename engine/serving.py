@@ -178,15 +178,12 @@ class AsyncEngine:
                                   len(self.llm.scheduler.running), *self.kv_blocks())
 
     def _round(self):
-        steps = self.stats.steps
         t0 = time.perf_counter()
         batch: list[tuple[Sequence, int]] = []
-        finished = self.llm.step(self.stats, lambda seq, kept: batch.append((seq, len(kept))) or
-                                 self._on_tokens(seq))
-        if self.stats.steps > steps:   # a decoding round (not a prefill)
-            self.metrics.round(self.method, getattr(self.llm.decoder, "depth", 0), [n for _, n in batch],
-                               time.perf_counter() - t0)
-        for seq in finished:
+        done = self.llm.step(self.stats, lambda seq, kept: batch.append((seq, len(kept))) or self._on_tokens(seq))
+        if not done.prefill:
+            self.metrics.round(self.method, done.depth, [n for _, n in batch], time.perf_counter() - t0)
+        for seq in done.finished:
             req = self.active.get(seq.seq_id)
             if req is not None:
                 self._finish(req, seq.finish_reason)

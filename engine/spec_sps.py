@@ -6,7 +6,7 @@ Drafts: another checkpoint (`--draft NAME_OR_PATH`) or the target's early exit (
 its first N layers + final norm + LM head, weights shared, KV in the draft's own cache).
 
 Draft cache invariant between rounds: it holds every token of the sequence, root included (one more than
-the target's cache), and `next_logits[seq]` is the draft's logits for the token after the root. Every
+the target's cache), and its `draft_state` is the draft's logits for the token after the root. Every
 sequence drafts k tokens (fixed shapes); the tree keeps those a sequence may still use.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from eagle_kernels import argmax
 from .config import LlamaConfig
 from .loader import load_model
 from .model import Llama
-from .decoding import SpeculativeDecoder, Verdict, depth_caps
+from .decoding import Draft, SpeculativeDecoder, Verdict
 from .model_runner import kv_layers
 from .scheduler import Sequence, cached_len
 from .trees import Tree
@@ -62,29 +62,25 @@ class SpSDecoder(SpeculativeDecoder):
         self.draft_model, self.k = draft, k
         self.kv = runner.new_cache(draft_cfg.num_layers, draft_cfg.num_kv_heads, draft_cfg.head_dim)
         self.draft_layers = kv_layers(self.kv)
-        self.next_logits: dict[int, torch.Tensor] = {}
         # Verification writes L .. L + k; catch-up feeds up to two tokens after the accepted ones.
         self.lookahead = k + 2
         self.held = 1  # the draft cache holds the root too
         self.max_tree = k + 1
-
-    def release(self, seq_ids):
-        for sid in seq_ids:
-            self.next_logits.pop(sid, None)
+        self.max_depth = k
 
     def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
         first = self.prefill_target(seqs)
         self._feed(seqs, [0] * len(seqs), [s.prompt_ids + [t] for s, t in zip(seqs, first)])
         return [[t] for t in first]
 
-    def draft(self, seqs: list[Sequence]):
-        """-> chains (root + k drafts) and draft_probs fp32 [B, k + 1, V] (row i = the q that drew node i)
-        when a sequence samples, else None."""
+    def draft(self, seqs: list[Sequence], depth: int, caps: list[int]) -> Draft:
+        """-> chains (root + k drafts: always k levels, which catch_up relies on; caps cut what is verified)
+        with probs fp32 [B, k + 1, V] (row i = the q that drew node i) when a sequence samples, else None."""
         k = self.k
-        caps = [min(k, c) for c in depth_caps(seqs, self.model.cfg.max_position)]
+        caps = [min(k, c) for c in caps]
         params = [s.params for s in seqs]
         sampled = [b for b, p in enumerate(params) if not p.greedy]
-        logits = torch.stack([self.next_logits[s.seq_id] for s in seqs])                     # [B, V]
+        logits = torch.stack([s.draft_state for s in seqs])                                  # [B, V]
         tokens = [self.runner.to_device([s.all_ids[-1] for s in seqs])]
         probs = [torch.zeros_like(logits)] if sampled else None
         starts = [cached_len(s) + 1 for s in seqs]
@@ -96,7 +92,7 @@ class SpSDecoder(SpeculativeDecoder):
             if sampled:
                 probs.append(q)
         chains = Tree.chains(torch.stack(tokens, 1), self.runner.index([1 + c for c in caps]))
-        return chains, torch.stack(probs, 1) if sampled else None
+        return Draft(chains, k, torch.stack(probs, 1) if sampled else None)
 
     def _propose(self, logits, seqs, sampled):
         """Greedy rows take the argmax; sampled rows draw from q, their sampling distribution. -> tokens [B]
@@ -143,4 +139,4 @@ class SpSDecoder(SpeculativeDecoder):
             ends.append((ends[-1] if ends else 0) + n)
         logits = self.draft_model.logits(feature.index_select(0, self.runner.index([e - 1 for e in ends])))
         for s, row in zip(seqs, logits):
-            self.next_logits[s.seq_id] = row
+            s.draft_state = row  # the draft's logits after its last token: the next round's first draft

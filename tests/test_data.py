@@ -93,12 +93,13 @@ def tiny_target(seed=0, layers=8):
 
 
 def tiny_features(model, capture=None, blocks=64):
-    """Online features of a tiny target through its own engine runner and block manager."""
-    from engine.block_manager import BlockManager
-    from engine.model_runner import ModelRunner
-    runner = ModelRunner(model, model.cfg, torch.float32, torch.device("cpu"), blocks, 16, model.cfg.max_position)
+    """Online features of a tiny target through its own engine (a pool of `blocks` blocks of 16)."""
+    from engine.llm import LLM
+    cfg = model.cfg
+    block_bytes = 16 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    llm = LLM(model, "float32", device="cpu", kv_cache_gb=(blocks + 0.5) * block_bytes / 2**30)
     capture = model.cfg.eagle3_layers if capture is None else capture
-    return TargetFeatures(model, runner, BlockManager(blocks, 16), capture)
+    return TargetFeatures(llm, capture)
 
 
 def test_online_features_are_the_engine_forward_of_each_sequence():
@@ -107,7 +108,8 @@ def test_online_features_are_the_engine_forward_of_each_sequence():
     g = torch.Generator().manual_seed(0)
     seqs = [(torch.randint(3, 64, (n,), generator=g).tolist(), p) for n, p in ((20, 5), (7, 3), (12, 1))]
     batch = feats([[seqs[0], seqs[1]], [seqs[2]]])
-    assert feats.blocks.num_free == 64  # the feature sequences' blocks went back
+    pool = feats.llm.scheduler.blocks
+    assert pool.num_free == pool.num_blocks  # the feature sequences' blocks went back
     assert batch["input_ids"].shape == (2, 27) and batch["hidden"].shape == (2, 27, 96)
     assert batch["doc"][1].tolist() == [0] * 12 + [1] * 15  # padding: its own conversation
     assert batch["pos"][0].tolist() == list(range(20)) + list(range(7))

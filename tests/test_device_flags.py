@@ -47,18 +47,20 @@ def test_gpu_check_engine_helpers_on_cpu(tmp_path):
                   max_position=512)
     model = gc.random_llama(cfg, torch.float32, cpu)
     assert model.rotary.cos.dtype == torch.float32 and torch.isfinite(model.rotary.cos).all()
-    vanilla = gc.build_llm(model, cfg, "float32", cpu, kv_cache_gb=0.01)
+    vanilla = gc.build_llm(model, "float32", cpu, kv_cache_gb=0.01)
     prompt = list(range(3, 40))
     ref, stats = gc.generate(vanilla, [prompt], 6)
     assert len(ref[0]) == 6 and gc.round_ms(stats)["step_ms"] > 0
-    gc.extend(vanilla, prompt)
-    depths, mask = gc.tree_index([-1, 0, 0, 1, 1, 2], cpu)
-    assert depths.tolist() == [[0, 1, 1, 2, 2, 2]]
-    gc.verify_forward(vanilla, torch.tensor([[5, 6, 7, 8, 9, 10]]), depths, mask)
-    assert vanilla.scheduler.blocks.length(gc.VERIFY_SEQ) == len(prompt)
-    gc.release(vanilla)
+    pool = vanilla.scheduler.blocks
+    with vanilla.borrow() as seq:
+        seq.forward([prompt])
+        depths, mask = gc.tree_index([-1, 0, 0, 1, 1, 2], cpu)
+        assert depths.tolist() == [[0, 1, 1, 2, 2, 2]]
+        gc.verify_forward(vanilla, seq, torch.tensor([[5, 6, 7, 8, 9, 10]]), depths, mask)
+        assert pool.length(seq.ids[0]) == len(prompt)  # the tree rolled back
+    assert pool.num_free == pool.num_blocks
     gc.save_random_eagle3_head(model, tmp_path / "head", draft_vocab=128)
-    eagle = gc.build_llm(model, cfg, "float32", cpu, "eagle3",
+    eagle = gc.build_llm(model, "float32", cpu, "eagle3",
                          {"head": str(tmp_path / "head"), "depth": 3, "topk": 4, "tree_tokens": 8}, kv_cache_gb=0.01,
                          timing=True)
     out, stats = gc.generate(eagle, [prompt], 6)

@@ -45,20 +45,27 @@ def drafting(llm, args, fused: bool, monkeypatch):
             assert eagle_kernels.draft_chain_fit(decoder.features) and decoder.head.chain_weights() is not None
     else:  # the reference: the head's forward op by op, level by level
         decoder.head.chain_weights = lambda: None
-    if decoder.policy is not None:  # the policy decides, a schedule visiting every depth (0 included) picks
-        choose, schedule = decoder.policy.choose, itertools.cycle([0, 3, 1, 0, 2])
-        decoder.policy.choose = lambda batch: (choose(batch), next(schedule))[1]
-    draft, kernel = decoder.draft, eagle_kernels.draft_chain
+    if llm.policy is not None:  # the policy decides, a schedule visiting every depth (0 included) picks
+        choose, schedule = llm.policy.choose, itertools.cycle([0, 3, 1, 0, 2])
+        llm.policy.choose = lambda batch: (choose(batch), next(schedule))[1]
+    step, draft, kernel = decoder.step, decoder.draft, eagle_kernels.draft_chain
 
-    def recorded(seqs):
-        tree, probs = draft(seqs)
-        rounds.append(None if tree is None else (tree.tokens.clone(), tree.sizes.clone()))
-        return tree, probs
+    def stepped(seqs, depth=0):  # a round without drafts is recorded as None
+        n = len(rounds)
+        verdict = step(seqs, depth)
+        if len(rounds) == n:
+            rounds.append(None)
+        return verdict
+
+    def recorded(seqs, depth, caps):
+        out = draft(seqs, depth, caps)
+        rounds.append((out.tree.tokens.clone(), out.tree.sizes.clone()))
+        return out
 
     def counted(*args, **kwargs):
         calls.append(1)
         return kernel(*args, **kwargs)
-    decoder.draft = recorded
+    decoder.step, decoder.draft = stepped, recorded
     monkeypatch.setattr(engine.spec_eagle.eagle_kernels, "draft_chain", counted)
     return rounds, calls
 

@@ -2,8 +2,9 @@
 implementations (Triton, run on CPU tensors by the interpreter inside `eagle_kernels.triton_on_cpu()`,
 with batches padded to CUDA-graph buckets as on a GPU). Every method, greedy and sampled, batch 1 and 4
 (the interpreter is slow: on the GPU path vanilla and adaptive EAGLE-3, and SpS sampled): greedy output
-equals vanilla's, caches come back empty, and a round's draft and verify bodies make no host reads (the GPU's sync-freedom, proven on the CPU). The adaptive policy's choice runs
-inside the draft; its depths are forced through a schedule that visits every depth, 0 (no drafts) included."""
+equals vanilla's, caches come back empty, and a round's draft and verify bodies make no host reads (the GPU's
+sync-freedom, proven on the CPU). The adaptive policy (plain Python, in LLM.step) still decides, but its depths
+are forced through a schedule that visits every depth, 0 (no drafts) included."""
 import itertools
 
 import pytest
@@ -69,7 +70,7 @@ def forbid_host_reads(decoder):
 
 
 def force_depths(policy):
-    """The policy still decides (inside the guarded draft) but the schedule picks the depth."""
+    """The policy still decides but the schedule picks the depth."""
     choose, schedule = policy.choose, itertools.cycle(DEPTHS)
     policy.choose = lambda batch: (choose(batch), next(schedule))[1]
 
@@ -77,15 +78,15 @@ def force_depths(policy):
 def run(llm, prompts, method, args, greedy=True):
     llm.set_method(method, args)
     forbid_host_reads(llm.decoder)
-    if getattr(llm.decoder, "policy", None):
-        force_depths(llm.decoder.policy)
+    if llm.policy:
+        force_depths(llm.policy)
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.0 if greedy else 0.8,
                             top_k=0 if greedy else 20)
     seqs, stats = llm.generate(prompts, params)
-    if getattr(llm.decoder, "policy", None):  # rounds without drafts and with them
+    if llm.policy:  # rounds without drafts and with them
         assert stats.extra["depth_hist"][0] >= 1 and sum(stats.extra["depth_hist"][1:]) >= 1
     assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
-    assert not getattr(llm.decoder, "fed", None) and not getattr(llm.decoder, "next_logits", None)
+    assert all(s.draft_state is None and s.generator is None for s in seqs)
     return [s.output_ids for s in seqs], stats.as_dict()
 
 

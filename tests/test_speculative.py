@@ -60,9 +60,9 @@ def use(llm, method, **args):
 
 
 def assert_released(llm, decoder):
-    """Every KV block back in the pool, no per-sequence draft state left."""
+    """Every KV block back in the pool, no sequence left running (per-sequence state goes with them)."""
     assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
-    assert not getattr(decoder, "pending", None) and not getattr(decoder, "next_logits", None)
+    assert not llm.scheduler.running and not llm.scheduler.waiting
 
 
 def run(llm, prompts, new_tokens=NEW_TOKENS):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.config import LlamaConfig
-from engine.decoding import SpeculativeDecoder
+from engine.decoding import Draft, SpeculativeDecoder
 from engine.model import Llama
 from engine.model_runner import ModelRunner, StepPlan
 from engine.sampler import Sampler
@@ -163,8 +163,10 @@ def test_verify_keeps_exactly_the_accepted_paths_kv():
                 torch.tensor([[0, 1, 1, 2, 2, 3]] * 2, dtype=torch.int32), torch.zeros(2, 6),
                 torch.tensor([6, 6], dtype=torch.int32))
     sched.prepare(seqs, prefill=False)
-    v = decoder.read(decoder.verify(seqs, tree))
-    assert v.paths == [[0, 2, 4, 5]] * 2 and v.lengths == [3, 3]
+    summary = decoder.verify(seqs, tree)                                    # [B, 2N + 2]
+    assert summary[:, 2:6].tolist() == [[0, 2, 4, 5]] * 2                   # the accepted path, root first
+    v = decoder.read(summary, Draft(tree, 3))
+    assert v.lengths == [3, 3] and v.depth == 3
     for s, new in zip(seqs, v.new_tokens):
         sched.commit(s, new)
     ref_blocks = Scheduler(64, 4, 4, 128, eos_ids=()).blocks

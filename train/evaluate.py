@@ -96,7 +96,7 @@ def evaluate(llm, head_dir: str | Path, kind: str, prompts: list[list[int]], max
         llm.set_method("vanilla")
     view = TargetView(llm.model)
     head = load_head(head_dir, view, kind).float().eval()
-    features = TargetFeatures(llm.model, llm.runner, llm.scheduler.blocks, head.capture)
+    features = TargetFeatures(llm, head.capture)
     seqs = [(p + o, len(p)) for p, o in zip(prompts, ref) if o]
     alpha, counts = n_alpha_on(head, features, seqs, alpha_steps, seq_len)
     return {"kind": kind, "prompts": len(prompts), "max_new_tokens": max_new_tokens,

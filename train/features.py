@@ -1,8 +1,8 @@
-"""Target features computed online by the engine's own forward (`Llama.forward(..., capture=...)` through
-`ModelRunner.forward` over the paged cache): no second copy of the target layer, no feature files.
+"""Target features computed online by the engine's own forward (`Llama.forward(..., capture=...)` over
+the paged cache, through `LLM.borrow`): no second copy of the target layer, no feature files.
 
 A batch is rows of packed sequences; all its sequences go through the target in one forward (each its own
-sequence in the block manager, freed afterwards), so row r is a contiguous slice of the packed output.
+borrowed sequence of the cache, freed afterwards), so row r is a contiguous slice of the packed output.
 """
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import torch
 from torch import nn
 
 from engine.model import Linear, dense_weight
-
-FEATURE_SEQ = 1 << 29  # sequence ids the scheduler never hands out
 
 
 class TargetView(nn.Module):
@@ -38,22 +36,18 @@ class TargetFeatures:
     hidden [B, S, 3H] (inputs of the `capture` layers, EAGLE-3's low | mid | high) when capture is set.
     Padding is its own conversation (doc = row length), never scored."""
 
-    def __init__(self, model, runner, blocks, capture: tuple[int, ...] = ()):
-        self.model, self.runner, self.blocks, self.capture = model, runner, blocks, tuple(capture)
+    def __init__(self, llm, capture: tuple[int, ...] = ()):
+        self.llm, self.capture = llm, tuple(capture)  # llm: the target, an engine.llm.LLM
 
     def __call__(self, rows: list[list[tuple[list[int], int]]]) -> dict[str, torch.Tensor]:
         seqs = [s for row in rows for s in row]
-        ids = list(range(FEATURE_SEQ, FEATURE_SEQ + len(seqs)))
-        try:
-            with torch.inference_mode():
-                feature, captured, cu = self.runner.forward(self.blocks, ids, [s for s, _ in seqs], self.capture)
-                # the target's next token is read only where that token is a reply token (0 elsewhere)
-                need = self.runner.to_device([i for (s, n), a in zip(seqs, cu) for i in range(a + n - 1, a + len(s))])
-                top1 = torch.zeros(feature.shape[0], dtype=torch.long, device=feature.device)          # [T]
-                top1[need] = torch.cat([self.model.logits(f).argmax(-1) for f in feature[need].split(1024)])
-        finally:
-            for i in ids:
-                self.blocks.free(i)
+        model, runner = self.llm.model, self.llm.runner
+        with torch.inference_mode(), self.llm.borrow(len(seqs)) as borrowed:
+            feature, captured, cu = borrowed.forward([s for s, _ in seqs], self.capture)
+            # the target's next token is read only where that token is a reply token (0 elsewhere)
+            need = runner.to_device([i for (s, n), a in zip(seqs, cu) for i in range(a + n - 1, a + len(s))])
+            top1 = torch.zeros(feature.shape[0], dtype=torch.long, device=feature.device)              # [T]
+            top1[need] = torch.cat([model.logits(f).argmax(-1) for f in feature[need].split(1024)])
         dense = {"feature": feature.float(), "target_top1": top1}                                   # [T, ...]
         if captured:
             dense["hidden"] = torch.cat(captured, -1).float()                                        # [T, 3H]

@@ -203,7 +203,7 @@ def run(args, llm=None) -> dict:
 
     if "train" not in state["done"]:
         capture = llm.cfg.eagle3_layers if args.head == "eagle3" else ()
-        features = TargetFeatures(llm.model, llm.runner, llm.scheduler.blocks, capture)
+        features = TargetFeatures(llm, capture)
         rec = trainer.train(args, llm.model, features, seqs, out / "train",
                             budget_s=TRAIN_END * budget - state["replies_s"])
         ck = torch.load(out / "train" / "ckpt.pt", weights_only=True, map_location="cpu")["state"]
