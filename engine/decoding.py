@@ -31,7 +31,7 @@ import eagle_kernels
 from eagle_kernels import argmax
 from .model_runner import ModelRunner, StepPlan
 from .sampler import Sampler
-from .scheduler import Sequence, cached_len
+from .scheduler import Sequence, TokenLogprob, cached_len
 from .trees import Tree
 
 
@@ -56,7 +56,7 @@ class Decoder:
         """What a method keeps of every target step, per token: slots int64 [T] (padded rows: the scratch
         block), feature [T, H], the `capture` layers' inputs [T, H] each. Runs inside the step's graph."""
 
-    def prefill_target(self, seqs: list[Sequence]) -> list[int]:
+    def prefill_target(self, seqs: list[Sequence]) -> "Verdict":
         """Target prefill -> each sequence's first token."""
         counts = [len(s.prompt_ids) for s in seqs]
         meta, pos, ids = self.runner.meta(self.plan(seqs, [0] * len(seqs), counts),
@@ -67,16 +67,36 @@ class Decoder:
         for n in counts:
             ends.append((ends[-1] if ends else 0) + n)
         last = self.runner.index([e - 1 for e in ends])
-        return self.sampler(self.model.logits(feature.index_select(0, last)), seqs).tolist()
+        return self.sampled(seqs, self.model.logits(feature.index_select(0, last)))
 
-    def decode(self, seqs: list[Sequence]) -> list[int]:
+    def decode(self, seqs: list[Sequence]) -> "Verdict":
         """One target forward over each sequence's last token. -> next tokens."""
         B = len(seqs)
         Bp = self.runner.batch_rows(B)
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [1] * B).padded(Bp)
         g = self.runner.graph(self.graphs, ("decode", Bp), plan, self._decode, {}, host_ids=True)
         logits = g.run(plan, host_ids=[s.all_ids[-1] for s in seqs])
-        return self.sampler(logits[:B], seqs).tolist()
+        return self.sampled(seqs, logits[:B])
+
+    def sampled(self, seqs: list[Sequence], logits: torch.Tensor) -> "Verdict":
+        """A token per sequence drawn from logits [B, V] (and its logprobs, where asked), copied to the host."""
+        tokens = self.sampler(logits, seqs)
+        logprobs = self.logprob_rows(seqs, logits[:, None], tokens[:, None])
+        return Verdict.decoded(tokens.tolist(), read_logprobs(seqs, logprobs, [1] * len(seqs)))
+
+    def logprob_rows(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor):
+        """Sampler.logprobs of tokens int64 [B, n] under logits [B, n, V] for the sequences that ask (params.
+        logprobs), on the device: fp32 [B', n, 1 + 2k] (B' asking rows, k the most alternatives asked), or None
+        when none asks."""
+        asked = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not asked:
+            return None
+        B, n = tokens.shape
+        rows = self.runner.index(asked).long()
+        out = self.sampler.logprobs(logits.index_select(0, rows).flatten(0, 1),
+                                    [seqs[b].params for b in asked for _ in range(n)],
+                                    tokens.index_select(0, rows).flatten(), max(seqs[b].params.logprobs for b in asked))
+        return out.view(len(asked), n, -1)
 
     def _decode(self, g):
         feature, captured = self.model(g.ids, g.positions, self.runner.layers, g.meta, self.capture,
@@ -91,11 +111,11 @@ class Decoder:
 class VanillaDecoder(Decoder):
     """One target forward per token; the reference every speculative method must match."""
 
-    def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
-        return [[t] for t in self.prefill_target(seqs)]
+    def prefill(self, seqs: list[Sequence]) -> "Verdict":
+        return self.prefill_target(seqs)
 
     def step(self, seqs: list[Sequence], depth: int = 0) -> "Verdict":
-        return Verdict.decoded(self.decode(seqs))
+        return self.decode(seqs)
 
 
 @dataclass
@@ -113,6 +133,7 @@ class Verdict:
     new_tokens: list[list[int]]    # per sequence: the accepted drafts + the bonus / corrected token
     depth: int = 0                 # levels drafted (0: a plain decode step)
     backlog_s: float = 0.0         # of the round's time, feeding the draft what earlier rounds left it
+    logprobs: list[list[TokenLogprob] | None] | None = None  # per sequence asking: one per new token
 
     @property
     def lengths(self) -> list[int]:
@@ -120,9 +141,9 @@ class Verdict:
         return [len(t) - 1 for t in self.new_tokens]
 
     @classmethod
-    def decoded(cls, tokens: list[int]) -> "Verdict":
-        """A plain decode step's (Decoder.decode) as a verdict: only the root, and its next token."""
-        return cls([[t] for t in tokens])
+    def decoded(cls, tokens: list[int], logprobs=None) -> "Verdict":
+        """A plain decode step's as a verdict: only the root, and its next token."""
+        return cls([[t] for t in tokens], logprobs=logprobs)
 
 
 class SpeculativeDecoder(Decoder):
@@ -144,12 +165,12 @@ class SpeculativeDecoder(Decoder):
         depth = round_depth(depth, caps)
         if not depth:
             with self.timer("verify_s"):
-                verdict = Verdict.decoded(self.decode(seqs))
+                verdict = self.decode(seqs)
         else:
             with self.timer("draft_s"):
                 draft = self.draft(seqs, depth, caps)
             with self.timer("verify_s"):
-                verdict = self.read(self.verify(seqs, draft.tree, draft.probs), draft)
+                verdict = self.read(seqs, *self.verify(seqs, draft.tree, draft.probs), draft)
         with self.timer("draft_s"):
             self.catch_up(seqs, verdict)
         self._stats.record(verdict.lengths, verdict.depth)
@@ -168,7 +189,8 @@ class SpeculativeDecoder(Decoder):
 
     def verify(self, seqs: list[Sequence], tree: Tree, draft_probs=None) -> torch.Tensor:
         """Run the target once over every tree (root + drafts), accept the longest lossless path and move
-        its KV (and what `store` keeps) to consecutive positions. Device only. -> summary int64 [B, 2N + 2]."""
+        its KV (and what `store` keeps) to consecutive positions. Device only. -> summary int64 [B, 2N + 2]
+        (accepted length, next token, path, tokens on it), and the new tokens' logprob_rows (or None)."""
         B, N = tree.tokens.shape
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [N] * B)
         Bp = self.runner.batch_rows(B)
@@ -187,7 +209,13 @@ class SpeculativeDecoder(Decoder):
             self.keep_path(g.meta.slot_mapping.view(Bp, N)[:B], path)
         on_path = tree.tokens.gather(1, path.clamp(min=0).long())
         summary = torch.cat([length[:, None].long(), nxt[:, None], path.long(), on_path], 1)  # [B, 2N + 2]
-        return summary
+        logprobs = None
+        if any(s.params.logprobs is not None for s in seqs):
+            # new token j is predicted at path node j: the next accepted draft, or at j = length the bonus
+            new = torch.cat([on_path[:, 1:], on_path[:, :1]], 1).scatter(1, length[:, None].long(), nxt[:, None])
+            at = path.clamp(min=0).long()[..., None].expand(-1, -1, logits.shape[-1])
+            logprobs = self.logprob_rows(seqs, logits.gather(1, at), new)
+        return summary, logprobs
 
     def _verify_fn(self, g):
         Bp, N = g.inputs["ids"].shape
@@ -227,12 +255,13 @@ class SpeculativeDecoder(Decoder):
         kv = self.runner.kv.flatten(0, 1).flatten(1, 2)                     # [layers * 2, slots, Hkv, D]
         kv.index_copy_(1, dst, kv.index_select(1, src))
 
-    def read(self, summary: torch.Tensor, draft: Draft) -> Verdict:
-        """The round's one device-to-host copy: verify's summary -> each sequence's accepted tokens."""
+    def read(self, seqs: list[Sequence], summary: torch.Tensor, logprobs, draft: Draft) -> Verdict:
+        """The round's device-to-host copy: verify's summary -> each sequence's accepted tokens (and the
+        logprobs of those asking)."""
         host = summary.tolist()
         N = (summary.shape[1] - 2) // 2
         new = [row[3 + N:3 + N + row[0]] + [row[1]] for row in host]
-        return Verdict(new, draft.depth, draft.backlog_s)
+        return Verdict(new, draft.depth, draft.backlog_s, read_logprobs(seqs, logprobs, [len(t) for t in new]))
 
     def timer(self, attr: str):
         return Timer(self._stats, attr, self.runner.device) if self.timing else _UNTIMED
@@ -299,6 +328,20 @@ class Timer:
 
 
 _UNTIMED = contextlib.nullcontext()
+
+
+def read_logprobs(seqs: list[Sequence], rows: torch.Tensor | None, counts: list[int]):
+    """Decoder.logprob_rows on the host: per sequence, None or its first counts[b] tokens' TokenLogprobs,
+    with the alternatives it asked for."""
+    if rows is None:
+        return None
+    host, out = iter(rows.tolist()), []
+    K = (rows.shape[-1] - 1) // 2
+    for s, n in zip(seqs, counts):
+        k = s.params.logprobs
+        out.append(None if k is None else
+                   [(r[0], [(int(t), v) for t, v in zip(r[1:1 + k], r[1 + K:1 + K + k])]) for r in next(host)[:n]])
+    return out
 
 
 def round_depth(depth: int, caps: list[int]) -> int:

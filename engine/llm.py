@@ -155,8 +155,8 @@ class LLM:
         t0 = time.perf_counter()
         if admitted:
             self.scheduler.prepare(admitted, prefill=True)
-            new = self.decoder.prefill(admitted)
-            batch, depth = admitted, 0
+            verdict = self.decoder.prefill(admitted)
+            batch = admitted
             stats.prefill_s += time.perf_counter() - t0
             stats.prompt_tokens += sum(len(s.prompt_ids) for s in admitted)
         else:
@@ -171,15 +171,15 @@ class LLM:
                 # first-use allocations and the head's fused weights on a CPU (~1.5x a steady round, enough
                 # to rule a depth out).
                 self._observe(batch, planned, verdict, None if len(self.decoder.graphs) > built else seconds)
-            new, depth = verdict.new_tokens, verdict.depth
             stats.decode_s += seconds
             stats.steps += 1
-        for seq, toks in zip(batch, new):
-            kept = self.scheduler.commit(seq, toks)
+        logprobs = verdict.logprobs or [None] * len(batch)
+        for seq, toks, lps in zip(batch, verdict.new_tokens, logprobs):
+            kept = self.scheduler.commit(seq, toks, lps)
             stats.new_tokens += len(kept)
             if on_tokens and kept:
                 on_tokens(seq, kept)
-        return Round(self.scheduler.retire_finished(), bool(admitted), depth)
+        return Round(self.scheduler.retire_finished(), bool(admitted), verdict.depth)
 
     def _observe(self, batch: list[Sequence], planned: int, verdict, seconds: float | None):
         """The policy learns from a round as the depth it chose (confidence cuts included: its time and

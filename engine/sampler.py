@@ -40,6 +40,20 @@ class Sampler:
         return eagle_kernels.sampling_probs(logits, [p.temperature for p in params], [p.top_k for p in params],
                                             [p.top_p for p in params])
 
+    def logprobs(self, logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor,
+                 k: int) -> torch.Tensor:
+        """Log-probabilities under the distribution each row is drawn from (after temperature / top-k /
+        top-p; the model's softmax for greedy rows): of `tokens`, and the k most likely tokens'. A function
+        of the logits row and its parameters alone, so every method reports the same numbers for the same
+        token. logits [R, V], tokens int64 [R] -> fp32 [R, 1 + 2k]: logprob, k token ids, k logprobs."""
+        lp = torch.log_softmax(logits.float(), -1)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            rows = self.runner.index(sampled).long()
+            lp = lp.index_copy(0, rows, self.probs(logits.index_select(0, rows), [params[i] for i in sampled]).log())
+        top = lp.topk(k, -1)
+        return torch.cat([lp.gather(1, tokens[:, None]), top.indices.float(), top.values], 1)
+
     def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         # probs: [B, V], one row per sequence -> tokens int64 [B]
         return argmax(probs / self.noise(seqs, probs.shape[1:], exponential=True))

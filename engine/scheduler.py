@@ -16,6 +16,13 @@ from dataclasses import dataclass, field
 from .block_manager import BlockManager
 
 
+MAX_LOGPROBS = 20  # alternatives a token's logprobs may list (OpenAI's top_logprobs limit)
+
+# A token's log-probability under the distribution it was drawn from, and the most likely alternatives:
+# (logprob, [(token, logprob), ...]).
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0      # 0 = greedy
@@ -24,6 +31,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     ignore_eos: bool = False
     seed: int | None = None       # a request's own random stream (None: the engine's shared one)
+    logprobs: int | None = None   # each output token's log-probability and this many alternatives (None: off)
 
     def validate(self):
         if self.max_new_tokens <= 0:
@@ -34,6 +42,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         return self
 
     @property
@@ -55,6 +65,7 @@ class Sequence:
     params: SamplingParams
     seq_id: int = field(default_factory=new_seq_id)
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, with params.logprobs
     finish_reason: str | None = None   # "stop" (EOS, or a stop string seen by the caller), "length", "abort"
     # What a running sequence carries for the engine, dropped when it retires: the decoding method's draft
     # state (EAGLE's head cursor, SpS's next draft logits) and, with params.seed, its random generator.
@@ -126,10 +137,12 @@ class Scheduler:
             n = len(seq.prompt_ids) if prefill else cached_len(seq)
             self.blocks.reserve(seq.seq_id, n + self.lookahead)
 
-    def commit(self, seq: Sequence, tokens: list[int]) -> list[int]:
-        """Apply a step's verdict: append its tokens (up to a stop) and cut the cache back to the accepted
-        ones. -> the tokens kept."""
+    def commit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
+        """Apply a step's verdict: append its tokens (up to a stop) and their logprobs, if asked for, and cut
+        the cache back to the accepted ones. -> the tokens kept."""
         kept = self.append_tokens(seq, tokens)
+        if logprobs is not None:
+            seq.logprobs += logprobs[:len(kept)]
         if not seq.finished:
             # blocks past the kept positions go back to the pool; a block a decoder's cache still uses
             # (SpS's draft holds the root) must not, or a companion could take it and overwrite that KV

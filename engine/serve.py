@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .loader import ModelNotFoundError
 from .run import add_engine_args, build_llm, default_method
-from .scheduler import SamplingParams
+from .scheduler import MAX_LOGPROBS, SamplingParams
 from .serving import AsyncEngine, QueueFull, Request as EngineRequest
 
 
@@ -82,7 +82,6 @@ class Sampling(_Body):
     stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = False
-    logprobs: bool | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 
@@ -93,10 +92,19 @@ class Sampling(_Body):
 class ChatBody(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def alternatives(self) -> int | None:
+        """SamplingParams.logprobs: None (off) or the alternatives per token."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionBody(Sampling):
     prompt: str | list[int] = Field(min_length=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -133,8 +141,7 @@ class Server:
                            param="model", code="model_not_found")
 
     def params(self, body: Sampling, prompt_len: int, max_tokens: int | None) -> SamplingParams:
-        unsupported = {"n": body.n != 1, "logprobs": bool(body.logprobs),
-                       "presence_penalty": bool(body.presence_penalty),
+        unsupported = {"n": body.n != 1, "presence_penalty": bool(body.presence_penalty),
                        "frequency_penalty": bool(body.frequency_penalty),
                        "echo": bool(getattr(body, "echo", False)), "best_of": getattr(body, "best_of", None) not in (None, 1),
                        "suffix": bool(getattr(body, "suffix", None))}
@@ -145,8 +152,10 @@ class Server:
             raise APIError(400, "stop: stop strings must be non-empty", param="stop")
         if max_tokens is None:
             max_tokens = max(1, min(self.default_max_tokens, self.context - prompt_len))
+        logprobs = body.alternatives() if isinstance(body, ChatBody) else body.logprobs
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                              max_new_tokens=max_tokens, ignore_eos=body.ignore_eos, seed=body.seed)
+                              max_new_tokens=max_tokens, ignore_eos=body.ignore_eos, seed=body.seed,
+                              logprobs=logprobs)
 
     def chat_ids(self, body: ChatBody) -> list[int]:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -179,24 +188,26 @@ class Server:
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self._stream(req, rid, chat, usage), media_type="text/event-stream")
-        text, finish = await self._collect(http, req)
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+        text, finish, logprobs = await self._collect(http, req)
+        choice = {"index": 0, "finish_reason": finish, "logprobs": self.logprobs(req, logprobs, chat)}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "created": int(time.time()), "model": self.model_name, "choices": [choice],
                              "usage": usage_of(req)})
 
-    async def _collect(self, http: Request, req: EngineRequest) -> tuple[str, str]:
-        """The whole output, or cancellation when the client disconnects first."""
+    async def _collect(self, http: Request, req: EngineRequest) -> tuple[str, str, list]:
+        """The whole output (text, finish reason, logprobs), or cancellation when the client disconnects
+        first."""
         async def collect():
-            parts = []
+            parts, logprobs = [], []
             while True:
                 delta = await req.queue.get()
                 if delta.finish_reason == "error":
                     raise APIError(500, delta.text, kind="server_error")
                 parts.append(delta.text)
+                logprobs += delta.logprobs
                 if delta.finish_reason:
-                    return "".join(parts), delta.finish_reason
+                    return "".join(parts), delta.finish_reason, logprobs
 
         async def disconnected():
             while (await http.receive())["type"] != "http.disconnect":
@@ -218,12 +229,13 @@ class Server:
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(text: str | None, finish: str | None, first: bool = False, logprobs=()) -> str:
+            lp = self.logprobs(req, logprobs, chat) if logprobs else None
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
             out = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
             if include_usage:
                 out["usage"] = None
@@ -238,7 +250,7 @@ class Server:
                     err = {"error": {"message": delta.text, "type": "server_error", "param": None, "code": None}}
                     yield f"data: {json.dumps(err)}\n\n"
                     break
-                yield chunk(delta.text, delta.finish_reason)
+                yield chunk(delta.text, delta.finish_reason, logprobs=delta.logprobs)
                 if delta.finish_reason:
                     break
             if include_usage:
@@ -247,6 +259,27 @@ class Server:
         finally:   # the client went away mid-stream (or we are done: then abort is a no-op)
             if not req.done:
                 self.engine.abort(req)
+
+
+    def logprobs(self, req: EngineRequest, tokens: list, chat: bool) -> dict | None:
+        """OpenAI's logprobs object for (token, TokenLogprob) pairs: chat's `content` list, or the legacy
+        completions lists (text offsets relative to this part's first token). -inf (a token the request's
+        top-k / top-p excludes) is reported as -9999.0, as vLLM does."""
+        if req.seq.params.logprobs is None:
+            return None
+        text = lambda t: self.engine.llm.tokenizer.decode([t])
+        finite = lambda v: max(v, -9999.0)
+        if chat:
+            entry = lambda t, v: {"token": text(t), "logprob": finite(v), "bytes": list(text(t).encode())}
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
+                                for t, (lp, top) in tokens]}
+        offsets, at = [], 0
+        for t, _ in tokens:
+            offsets.append(at)
+            at += len(text(t))
+        return {"tokens": [text(t) for t, _ in tokens], "token_logprobs": [finite(lp) for _, (lp, _) in tokens],
+                "top_logprobs": [{text(a): finite(v) for a, v in top} for _, (_, top) in tokens],
+                "text_offset": offsets}
 
 
 def usage_of(req: EngineRequest) -> dict:

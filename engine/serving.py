@@ -31,6 +31,7 @@ class Delta:
     """What a request gained in one round: text (stop strings and unfinished characters held back)."""
     text: str
     finish_reason: str | None = None   # "stop", "length", or "error" (then `text` is the message)
+    logprobs: list = field(default_factory=list)  # (token, TokenLogprob) of the tokens not sent before
 
 
 class Detokenizer:
@@ -63,6 +64,7 @@ class Request:
     text: str = ""                     # the output text so far (a matched stop string cut off)
     sent: int = 0                      # characters of `text` already emitted
     counted: int = 0                   # output tokens already seen by the metrics
+    logprobs_sent: int = 0             # output tokens whose logprobs were emitted
     done: bool = False
 
     @property
@@ -209,8 +211,10 @@ class AsyncEngine:
                 hold = max((k for s in req.stop for k in range(1, len(s)) if req.text.endswith(s[:k])), default=0)
         end = len(req.text) - hold
         if seq.finished or end > req.sent:
-            req.put(Delta(req.text[req.sent:end], seq.finish_reason))
-            req.sent = end
+            n = len(seq.logprobs)
+            logprobs = list(zip(seq.output_ids[req.logprobs_sent:n], seq.logprobs[req.logprobs_sent:n]))
+            req.put(Delta(req.text[req.sent:end], seq.finish_reason, logprobs))
+            req.sent, req.logprobs_sent = end, n
         req.last_emit = now
 
     def _finish(self, req: Request, reason: str | None):

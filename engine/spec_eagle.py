@@ -117,10 +117,10 @@ class EagleDecoder(SpeculativeDecoder):
     def verify_widths(self) -> list[int]:
         return verify_tokens(self.tree)
 
-    def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
+    def prefill(self, seqs: list[Sequence]) -> Verdict:
         for s in seqs:
             s.draft_state = HeadCursor()
-        return [[t] for t in self.prefill_target(seqs)]
+        return self.prefill_target(seqs)
 
     def draft(self, seqs: list[Sequence], depth: int, caps: list[int]) -> Draft:
         head, tree_policy, runner = self.head, self.tree, self.runner

@@ -68,10 +68,10 @@ class SpSDecoder(SpeculativeDecoder):
         self.max_tree = k + 1
         self.max_depth = k
 
-    def prefill(self, seqs: list[Sequence]) -> list[list[int]]:
+    def prefill(self, seqs: list[Sequence]) -> Verdict:
         first = self.prefill_target(seqs)
-        self._feed(seqs, [0] * len(seqs), [s.prompt_ids + [t] for s, t in zip(seqs, first)])
-        return [[t] for t in first]
+        self._feed(seqs, [0] * len(seqs), [s.prompt_ids + t for s, t in zip(seqs, first.new_tokens)])
+        return first
 
     def draft(self, seqs: list[Sequence], depth: int, caps: list[int]) -> Draft:
         """-> chains (root + k drafts: always k levels, which catch_up relies on; caps cut what is verified)

@@ -122,6 +122,32 @@ def test_stop_strings_end_the_output_and_never_leak(server):
     assert server.idle()
 
 
+def test_logprobs_chat_and_completions(server):
+    """Greedy: each token's logprob is its alternatives' first; streamed logprobs equal the whole answer's;
+    the completions lists line up with the tokens. (Equality with vanilla under every method:
+    tests/test_logprobs.py.)"""
+    r = chat(server, "Name three colors.", max_tokens=12, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == e.logprob <= 0 and e.bytes == list(e.token.encode())
+    chunks = list(chat(server, "Name three colors.", max_tokens=12, logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert chat(server, "Name three colors.", max_tokens=4).choices[0].logprobs is None
+    c = server.client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                         temperature=0, logprobs=3)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == \
+        c.usage.completion_tokens
+    assert all(len(top) <= 3 and max(top.values()) == v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    assert server.idle()
+
+
 BAD = [
     (b"{not json", 400), (b"[1, 2]", 400),
     ({"messages": [{"role": "user", "content": "hi"}]}, 400),                        # no model
@@ -140,6 +166,10 @@ BAD = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": -1}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400),  # no logprobs
     ({"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}, 404),
 ]
 

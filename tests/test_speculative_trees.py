@@ -163,9 +163,9 @@ def test_verify_keeps_exactly_the_accepted_paths_kv():
                 torch.tensor([[0, 1, 1, 2, 2, 3]] * 2, dtype=torch.int32), torch.zeros(2, 6),
                 torch.tensor([6, 6], dtype=torch.int32))
     sched.prepare(seqs, prefill=False)
-    summary = decoder.verify(seqs, tree)                                    # [B, 2N + 2]
-    assert summary[:, 2:6].tolist() == [[0, 2, 4, 5]] * 2                   # the accepted path, root first
-    v = decoder.read(summary, Draft(tree, 3))
+    summary, logprobs = decoder.verify(seqs, tree)                          # [B, 2N + 2]
+    assert summary[:, 2:6].tolist() == [[0, 2, 4, 5]] * 2 and logprobs is None  # the accepted path, root first
+    v = decoder.read(seqs, summary, logprobs, Draft(tree, 3))
     assert v.lengths == [3, 3] and v.depth == 3
     for s, new in zip(seqs, v.new_tokens):
         sched.commit(s, new)
