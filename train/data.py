@@ -121,19 +121,22 @@ def part_path(root: Path, k: int) -> Path:
 
 def generate_replies(llm, prompts: list[str], root: str | Path, samples: int, max_new_tokens: int,
                      temperature: float = 1.0, max_prompt: int = 1024, chunk: int = 64, seed: int = 0,
-                     deadline: float | None = None, bar=None) -> int:
+                     deadline: float | None = None, bar=None, shard: tuple[int, int] = (0, 1)) -> int:
     """Greedy + `samples` sampled replies per prompt, `chunk` prompts per `LLM.generate` call and per part
     file. Existing parts are kept (resume); no new chunk starts after `deadline` (time.monotonic()).
-    Prompts longer than `max_prompt` tokens are skipped. -> the number of prompts covered by parts."""
+    Prompts longer than `max_prompt` tokens are skipped. shard (rank, world): this rank's chunks, every
+    world-th; a part is named by its chunk, so the ranks' parts are one process's.
+    -> the number of prompts covered by this rank's parts."""
     from engine.scheduler import SamplingParams
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     limit = min(max_prompt, llm.cfg.max_position - max_new_tokens - 1)
-    for k in range(-(-len(prompts) // chunk)):
+    covered = 0
+    for k in range(shard[0], -(-len(prompts) // chunk), shard[1]):
         texts = prompts[k * chunk:(k + 1) * chunk]
         if not part_path(root, k).exists():
             if deadline is not None and time.monotonic() > deadline:
-                return k * chunk
+                return covered
             ids, params, index = [], [], []
             for i, text in enumerate(texts, start=k * chunk):
                 p = llm.chat_ids(text)
@@ -148,7 +151,8 @@ def generate_replies(llm, prompts: list[str], root: str | Path, samples: int, ma
             write_part(part_path(root, k), [(s.prompt_ids + s.output_ids, len(s.prompt_ids)) for s in seqs], index)
         if bar is not None:
             bar.update(len(texts))
-    return len(prompts)
+        covered += len(texts)
+    return covered
 
 
 def write_part(path: Path, seqs: list[Seq], index: list[tuple[int, int]]):

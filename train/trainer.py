@@ -7,6 +7,10 @@ run, then fixed (and saved), so the schedule ends when the budget does. Resumabl
 `<out>/ckpt.pt` (head, optimizer, step, data position, RNG) is written atomically every --save-every steps
 together with the exported head `<out>/head/` (official config.json + model.safetensors); a resumed run
 continues bit-exactly.
+
+Under torchrun (train/distributed.py) each rank computes features and loss for its share of every batch's
+rows, DistributedDataParallel averages the gradients, and the step's time is the slowest rank's, so every
+rank takes the same steps and stops together; rank 0 writes the log and the checkpoints.
 """
 from __future__ import annotations
 
@@ -20,9 +24,10 @@ from pathlib import Path
 import torch
 
 from engine.heads import DraftHead, load_head, new_head
+from . import distributed
 from .data import Packer, Seq, build_draft_vocab, reply_counts
 from .features import TargetFeatures, TargetView
-from .ttt import eagle1_loss, eagle3_loss
+from .ttt import eagle1_loss, eagle3_loss, scored_counts
 
 PACE_STEPS = 3  # steps of a run timed (after its first) to turn a time budget into a step count
 
@@ -34,13 +39,53 @@ def check_args(args):
                          "a fresh head builds its vocabulary from the replies anyway")
     if args.init and not (Path(args.init) / "config.json").exists():
         raise ValueError(f"--init {args.init}: no config.json there (expected an exported head directory)")
+    if args.rows < distributed.world():
+        raise ValueError(f"--rows {args.rows} cannot be split across {distributed.world()} ranks: a batch needs "
+                         f"at least a row per rank")
 
 
-def head_loss(head: DraftHead, lm_weight: torch.Tensor, batch: dict, ttt_steps: int):
-    """-> (loss, per-step accuracy, per-step counts)."""
+def head_loss(head: DraftHead, lm_weight: torch.Tensor, batch: dict, ttt_steps: int, total=None):
+    """-> (loss, per-step accuracy, per-step counts). total: see eagle3_loss."""
     if head.kind == "eagle3":
-        return eagle3_loss(head, lm_weight, batch, ttt_steps)
-    return eagle1_loss(head, lm_weight, batch)
+        return eagle3_loss(head, lm_weight, batch, ttt_steps, total=total)
+    return eagle1_loss(head, lm_weight, batch, total=total)
+
+
+class HeadLoss(torch.nn.Module):
+    """head_loss as a module's forward: what DistributedDataParallel wraps (it hooks the gradients of the
+    module it runs). batch None: a rank without rows in an epoch's short last batch, which still joins the
+    gradient all-reduce, with zeros."""
+
+    def __init__(self, head: DraftHead):
+        super().__init__()
+        self.head = head
+
+    def forward(self, lm_weight, batch, ttt_steps, total):
+        if batch is None:
+            zero = sum(p.sum() for p in self.head.parameters()) * 0.0
+            return zero, torch.zeros_like(total, dtype=torch.float32), torch.zeros_like(total)
+        return head_loss(self.head, lm_weight, batch, ttt_steps, total)
+
+
+def sharded_backward(ddp, features: TargetFeatures, rows: list, lm_weight: torch.Tensor, ttt_steps: int, amp):
+    """This rank's share of a batch's rows (every world-th) forward and backward through DDP. Its loss is
+    averaged over the whole batch's counts and scaled by the world size (DDP averages gradients), so the
+    gradient is the whole batch's, whatever share of the rows and tokens each rank holds.
+    -> the whole batch's (loss, per-step accuracy, per-step counts)."""
+    world, head = distributed.world(), ddp.module.head
+    share = rows[distributed.rank()::world]
+    if share:
+        batch = features(share)
+        n = scored_counts(head, batch, ttt_steps)
+    else:
+        batch, n = None, torch.zeros(ttt_steps if head.kind == "eagle3" else 1, dtype=torch.long,
+                                     device=lm_weight.device)
+    total = distributed.all_reduce(n)
+    with amp:
+        loss, acc, _ = ddp(lm_weight, batch, ttt_steps, total)
+    (loss * world).backward()
+    summed = distributed.all_reduce(torch.cat([loss.detach().float()[None], acc.float()]))
+    return summed[0], summed[1:], total
 
 
 def make_head(args, view: TargetView, counts: torch.Tensor) -> DraftHead:
@@ -138,6 +183,7 @@ def train(args, target, features: TargetFeatures, seqs: list[Seq], out: str | Pa
         raise ValueError("give a number of steps or a time budget")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    main = distributed.rank() == 0
     view = TargetView(target)
     device = view.embed_tokens.weight.device
     head = make_head(args, view, reply_counts(seqs, view.cfg.vocab_size)).to(device)
@@ -150,34 +196,43 @@ def train(args, target, features: TargetFeatures, seqs: list[Seq], out: str | Pa
         opt.load_state_dict(ck["opt"])
         state.update(ck["state"], **({"total": args.steps} if args.steps else {}))
         torch.set_rng_state(ck["rng"])
+    if distributed.world() > 1:  # the buffers (rope tables, draft vocabulary) never change: synced once, at init
+        ddp = torch.nn.parallel.DistributedDataParallel(HeadLoss(head), forward_sync_buffers=False,
+                                                        device_ids=[device.index] if device.type == "cuda" else None)
     data = Packer(seqs, args.seq_len, args.rows, args.seed)
-    log = open(out / "train_log.jsonl", "a")
-    bar = tqdm(total=state["total"] or None, initial=state["step"], disable=args.quiet, dynamic_ncols=True,
-               desc=f"train {head.kind}")
+    log = open(out / "train_log.jsonl" if main else os.devnull, "a")
+    bar = tqdm(total=state["total"] or None, initial=state["step"], disable=args.quiet or not main,
+               dynamic_ncols=True, desc=f"train {head.kind}")
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.train_dtype == "bfloat16")
     rec, start, paced = {}, state["step"], None
     while not (state["total"] and state["step"] >= state["total"]):
         if budget_s is not None and state["elapsed"] >= budget_s:
-            save_checkpoint(out, head, opt, state, view)
+            if main:
+                save_checkpoint(out, head, opt, state, view)
             break
         batches = data.batches(state["epoch"])
         if state["batch"] >= len(batches):
             state["epoch"], state["batch"] = state["epoch"] + 1, 0
             continue
         t0 = time.monotonic()
-        batch = features(data.rows_of(batches[state["batch"]]))
+        rows = data.rows_of(batches[state["batch"]])
         for g in opt.param_groups:
             g["lr"] = lr_at(state["step"], state["total"], args)
-        with amp:
-            loss, acc, n = head_loss(head, view.lm_head.weight, batch, args.ttt_steps)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if distributed.world() > 1:
+            loss, acc, n = sharded_backward(ddp, features, rows, view.lm_head.weight, args.ttt_steps, amp)
+        else:
+            batch = features(rows)
+            with amp:
+                loss, acc, n = head_loss(head, view.lm_head.weight, batch, args.ttt_steps)
+            loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(head.parameters(), args.clip)
         opt.step()
         loss, gnorm = loss.item(), gnorm.item()  # a sync: the step's device time is in `elapsed`
         state["step"] += 1
         state["batch"] += 1
-        state["elapsed"] += time.monotonic() - t0
+        # the slowest rank's time: every rank fixes the same step count and stops at the same step
+        state["elapsed"] += distributed.reduce([time.monotonic() - t0], "max")[0]
         if state["step"] - start == 1:
             paced = state["elapsed"]
         elif not state["total"] and state["step"] - start == 1 + PACE_STEPS:
@@ -192,12 +247,13 @@ def train(args, target, features: TargetFeatures, seqs: list[Seq], out: str | Pa
         bar.update(1)
         bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=" ".join(f"{a:.2f}" for a in rec["acc"]))
         stop = args.stop_after and state["step"] - start >= args.stop_after
-        if state["step"] % args.save_every == 0 or state["step"] == state["total"] or stop:
+        if main and (state["step"] % args.save_every == 0 or state["step"] == state["total"] or stop):
             save_checkpoint(out, head, opt, state, view)
         if stop:
             break
     bar.close()
     log.close()
-    if not (out / "head").exists():  # resumed after the last save: nothing left to train
+    if main and not (out / "head").exists():  # resumed after the last save: nothing left to train
         save_checkpoint(out, head, opt, state, view)
+    distributed.barrier()  # the other ranks read the final checkpoint next
     return rec

@@ -124,10 +124,21 @@ def draft_lm_rows(head: Eagle3Head, lm_weight: torch.Tensor) -> torch.Tensor:
     return lm_weight[torch.arange(head.d2t.shape[0], device=lm_weight.device) + head.d2t]
 
 
-def eagle3_loss(head: Eagle3Head, lm_weight, batch: dict, steps: int, decay: float = 0.8):
+def scored_counts(head: DraftHead, batch: dict, steps: int) -> torch.Tensor:
+    """The positions each step's loss scores [steps] (EAGLE-1: [1]), known before any forward: ranks that
+    split a batch sum them into the whole batch's denominators (`total` below)."""
+    if head.kind != "eagle3":
+        return valid_at(batch, 0).sum()[None]
+    in_vocab = head.t2d[batch["target_top1"]]
+    return torch.stack([(valid_at(batch, i) & shift(in_vocab, 1 + i, False)).sum() for i in range(steps)])
+
+
+def eagle3_loss(head: Eagle3Head, lm_weight, batch: dict, steps: int, decay: float = 0.8, total=None):
     """sum_i decay^i * CE(draft_i, target distribution over the draft vocabulary), scored where the next
     token is an assistant token and the target's top-1 is in the draft vocabulary (else the renormalised
-    target is not the target's choice). -> (loss, per-step accuracy [steps], per-step counts [steps])."""
+    target is not the target's choice). Step i averages over total[i] positions (default: this batch's
+    count; a rank holding part of a batch passes the whole batch's, so the ranks' losses and accuracies
+    add up to the batch's). -> (loss, per-step accuracy [steps], per-step counts [steps])."""
     in_vocab = head.t2d[batch["target_top1"]]                                   # [B, S]
     rows = draft_lm_rows(head, lm_weight)                                       # [Vd, H]
     loss, accs, counts = 0.0, [], []
@@ -138,16 +149,18 @@ def eagle3_loss(head: Eagle3Head, lm_weight, batch: dict, steps: int, decay: flo
             feature = take(shift(batch["feature"], 1 + i), idx)[valid].to(rows.dtype)  # [N, H]
             target = torch.softmax((feature @ rows.T).float(), -1)                  # [N, Vd]
         n = valid.sum()
+        mean_over = (n if total is None else total[i]).clamp(min=1)
         ce = -(target * torch.log_softmax(logits, -1)).sum(-1)
-        loss = loss + decay ** i * ce.sum() / n.clamp(min=1)
-        accs.append((logits.argmax(-1) == target.argmax(-1)).sum() / n.clamp(min=1))
+        loss = loss + decay ** i * ce.sum() / mean_over
+        accs.append((logits.argmax(-1) == target.argmax(-1)).sum() / mean_over)
         counts.append(n)
     return loss, torch.stack(accs).detach(), torch.stack(counts)
 
 
-def eagle1_loss(head: DraftHead, lm_weight, batch: dict, ce_weight: float = 0.1):
+def eagle1_loss(head: DraftHead, lm_weight, batch: dict, ce_weight: float = 0.1, total=None):
     """Feature regression (smooth L1 against f_{t+1}) + ce_weight * CE through the target LM head against
-    the target's distribution at t+1. -> (loss, accuracy [1], count [1])."""
+    the target's distribution at t+1, averaged over total[0] positions (as in eagle3_loss).
+    -> (loss, accuracy [1], count [1])."""
     feature = head_input(head, batch)
     out, _ = ttt_step(head, shift(batch["input_ids"], 1), feature, batch["pos"], prefix_mask(batch["doc"]), [])
     valid = valid_at(batch, 0)
@@ -158,8 +171,9 @@ def eagle1_loss(head: DraftHead, lm_weight, batch: dict, ce_weight: float = 0.1)
     logits = head.logits(pred)
     reg = F.smooth_l1_loss(pred, want, reduction="none").mean(-1)
     ce = -(target * torch.log_softmax(logits, -1)).sum(-1)
-    loss = (reg + ce_weight * ce).sum() / n.clamp(min=1)
-    acc = (logits.argmax(-1) == target.argmax(-1)).sum() / n.clamp(min=1)
+    mean_over = (n if total is None else total[0]).clamp(min=1)
+    loss = (reg + ce_weight * ce).sum() / mean_over
+    acc = (logits.argmax(-1) == target.argmax(-1)).sum() / mean_over
     return loss, acc.detach()[None], n[None]
 
 
