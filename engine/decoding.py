@@ -67,7 +67,7 @@ class Decoder:
         for n in counts:
             ends.append((ends[-1] if ends else 0) + n)
         last = self.runner.index([e - 1 for e in ends])
-        return self.sampled(seqs, self.model.logits(feature.index_select(0, last)))
+        return self.sampled(seqs, self.sampler.adjust(self.model.logits(feature.index_select(0, last)), seqs))
 
     def decode(self, seqs: list[Sequence]) -> "Verdict":
         """One target forward over each sequence's last token. -> next tokens."""
@@ -76,7 +76,7 @@ class Decoder:
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [1] * B).padded(Bp)
         g = self.runner.graph(self.graphs, ("decode", Bp), plan, self._decode, {}, host_ids=True)
         logits = g.run(plan, host_ids=[s.all_ids[-1] for s in seqs])
-        return self.sampled(seqs, logits[:B])
+        return self.sampled(seqs, self.sampler.adjust(logits[:B], seqs))
 
     def sampled(self, seqs: list[Sequence], logits: torch.Tensor) -> "Verdict":
         """A token per sequence drawn from logits [B, V] (and its logprobs, where asked), copied to the host."""
@@ -203,7 +203,7 @@ class SpeculativeDecoder(Decoder):
         if not self.causal:
             given["tree_mask"] = tree.mask()
         logits = g.run(plan.padded(Bp), **given)
-        logits = logits.view(Bp, N, -1)[:B]                                              # [B, N, V]
+        logits = self.sampler.adjust(logits.view(Bp, N, -1)[:B], seqs, tree)             # [B, N, V]
         path, length, nxt = self.accept(seqs, tree, logits, draft_probs)
         if not self.causal:  # a chain's accepted path is its prefix, already in place
             self.keep_path(g.meta.slot_mapping.view(Bp, N)[:B], path)

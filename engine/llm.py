@@ -85,11 +85,12 @@ class LLM:
         self.runner = ModelRunner(self.model, self.cfg, DTYPES[dtype], self.device, num_blocks, block_size,
                                   self.cfg.max_position,
                                   preset.cuda_graphs if cuda_graphs is None else cuda_graphs)
-        self.sampler = Sampler(seed, self.device, self.runner)
         eos = set(self.cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.scheduler = Scheduler(num_blocks, block_size, max_batch, self.cfg.max_position, tuple(eos))
+        self.sampler = Sampler(seed, self.device, self.runner, tuple(sorted(eos)))
+        self.scheduler = Scheduler(num_blocks, block_size, max_batch, self.cfg.max_position, tuple(eos),
+                                   vocab_size=self.cfg.vocab_size)
         self.timing = timing
         self.policies = {}  # adaptive policies (engine/adaptive.py) by method arguments, kept across set_method
         self.policy: SpeculationPolicy | None = None  # the current decoder's, when it is adaptive

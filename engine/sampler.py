@@ -14,10 +14,10 @@ from .scheduler import SamplingParams, Sequence
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device, runner):
+    def __init__(self, seed: int, device: torch.device, runner, eos_ids: tuple[int, ...] = ()):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.runner = runner
+        self.runner, self.eos_ids = runner, eos_ids
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         if seq.params.seed is None:
@@ -39,6 +39,63 @@ class Sampler:
         Host-valued parameters let sampling_probs plan the truncation without reading the device."""
         return eagle_kernels.sampling_probs(logits, [p.temperature for p in params], [p.top_k for p in params],
                                             [p.top_p for p in params])
+
+    def adjust(self, logits: torch.Tensor, seqs: list[Sequence], tree=None) -> torch.Tensor:
+        """The requests' logit transforms (SamplingParams: presence / frequency / repetition penalties,
+        logit_bias, min_tokens), applied before sampling, greedy argmax and logprobs alike, as vanilla and
+        verification both see them. logits [B, V] predict the token after each sequence's tokens; with
+        `tree` (engine.trees.Tree), logits [B, N, V] predict the token after each node, whose drafted
+        ancestors (the node itself included, the root excluded: it is already an output token) count as
+        output tokens and add their depth to the output's length. -> logits (the same tensor when no
+        request transforms)."""
+        asked = [b for b, s in enumerate(seqs) if s.params.transforms]
+        if not asked:
+            return logits
+        dev, V = logits.device, logits.shape[-1]
+        rows = self.runner.index(asked).long()
+        params = [seqs[b].params for b in asked]
+        x = logits.index_select(0, rows).float()
+        x = x if tree is not None else x[:, None]                                      # [R, N, V]
+        R, N = x.shape[:2]
+        counts = self._counts([seqs[b].output_ids for b in asked], V)[:, None]         # [R, 1, V]
+        depth = torch.zeros(R, N, device=dev)
+        if tree is not None:
+            bits = tree.mask().view(len(seqs), N, -1).index_select(0, rows)           # [R, N, W]
+            shift = torch.arange(32, dtype=torch.int32, device=dev)
+            anc = ((bits[..., None] >> shift) & 1).flatten(2)[..., :N].float()       # [R, N, N]
+            anc[..., 0] = 0                                                            # the root: counted
+            tokens = tree.tokens.index_select(0, rows)
+            counts = counts + anc @ torch.nn.functional.one_hot(tokens, V).float()     # [R, N, V]
+            depth = tree.depths.index_select(0, rows).float()
+        col = lambda name: torch.tensor([getattr(p, name) for p in params], device=dev)[:, None, None]
+        x = x - col("frequency_penalty") * counts - col("presence_penalty") * (counts > 0).float()
+        rep = col("repetition_penalty")
+        if any(p.repetition_penalty != 1 for p in params):
+            seen = (counts > 0) | (self._counts([seqs[b].prompt_ids for b in asked], V)[:, None] > 0)
+            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        bias = torch.zeros(R, V, device=dev)
+        for i, p in enumerate(params):
+            if p.logit_bias:
+                bias[i, list(p.logit_bias)] = torch.tensor(list(p.logit_bias.values()), device=dev)
+        x = x + bias[:, None]
+        left = torch.tensor([p.min_tokens - len(seqs[b].output_ids) for b, p in zip(asked, params)], device=dev)
+        if self.eos_ids and any(p.min_tokens for p in params):
+            early = (depth < left[:, None])[..., None]                                 # [R, N, 1]
+            eos = torch.zeros(V, dtype=torch.bool, device=dev)
+            eos[list(self.eos_ids)] = True
+            x = x.masked_fill(early & eos, float("-inf"))
+        x = (x if tree is not None else x[:, 0]).to(logits.dtype)
+        return logits.index_copy(0, rows, x)
+
+    def _counts(self, token_lists: list[list[int]], V: int) -> torch.Tensor:
+        """Occurrences of each token id per list -> fp32 [len(token_lists), V]."""
+        counts = torch.zeros(len(token_lists), V, device=self.device)
+        flat = [t for ts in token_lists for t in ts]
+        if flat:
+            owner = self.runner.to_device([i for i, ts in enumerate(token_lists) for _ in ts])
+            counts.index_put_((owner, self.runner.to_device(flat)), torch.ones(len(flat), device=self.device),
+                              accumulate=True)
+        return counts
 
     def logprobs(self, logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor,
                  k: int) -> torch.Tensor:

@@ -32,6 +32,13 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None       # a request's own random stream (None: the engine's shared one)
     logprobs: int | None = None   # each output token's log-probability and this many alternatives (None: off)
+    # Logit transforms before sampling (as vLLM's): presence / frequency penalties over the output tokens,
+    # repetition penalty over prompt and output, a bias per token id, EOS masked before min_tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
 
     def validate(self):
         if self.max_new_tokens <= 0:
@@ -44,7 +51,22 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 10:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if any(not -100 <= b <= 100 for b in (self.logit_bias or {}).values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens], got {self.min_tokens}")
         return self
+
+    @property
+    def transforms(self) -> bool:
+        """Whether any logit transform applies (Sampler.adjust)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or
+                    self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -88,10 +110,10 @@ def cached_len(seq: Sequence) -> int:
 
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_batch: int, max_model_len: int,
-                 eos_ids: tuple[int, ...], lookahead: int = 1):
+                 eos_ids: tuple[int, ...], lookahead: int = 1, vocab_size: int | None = None):
         self.blocks = BlockManager(num_blocks, block_size)
         self.max_batch, self.max_model_len = max_batch, max_model_len
-        self.eos_ids, self.lookahead = set(eos_ids), lookahead
+        self.eos_ids, self.lookahead, self.vocab_size = set(eos_ids), lookahead, vocab_size
         self.held = 0  # cache positions past the cached tokens the decoder keeps between steps
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -108,6 +130,8 @@ class Scheduler:
     def check(self, seq: Sequence):
         """Raise ValueError (a one-line reason) if `seq` can never run here; reads only fixed settings."""
         seq.params.validate()
+        if self.vocab_size and any(not 0 <= t < self.vocab_size for t in seq.params.logit_bias or {}):
+            raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size})")
         if not seq.prompt_ids:
             raise ValueError("empty prompt")
         if len(seq.prompt_ids) >= self.max_model_len:

@@ -70,7 +70,8 @@ class StreamOptions(_Body):
 
 
 class Sampling(_Body):
-    """The fields both endpoints share. Extensions beyond OpenAI's: top_k, ignore_eos (as vLLM)."""
+    """The fields both endpoints share. Extensions beyond OpenAI's (as vLLM's): top_k, ignore_eos,
+    repetition_penalty, min_tokens."""
     model: str
     max_tokens: int | None = Field(None, gt=0)
     temperature: float = Field(1.0, ge=0)
@@ -82,8 +83,11 @@ class Sampling(_Body):
     stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -141,9 +145,7 @@ class Server:
                            param="model", code="model_not_found")
 
     def params(self, body: Sampling, prompt_len: int, max_tokens: int | None) -> SamplingParams:
-        unsupported = {"n": body.n != 1, "presence_penalty": bool(body.presence_penalty),
-                       "frequency_penalty": bool(body.frequency_penalty),
-                       "echo": bool(getattr(body, "echo", False)), "best_of": getattr(body, "best_of", None) not in (None, 1),
+        unsupported = {"n": body.n != 1, "echo": bool(getattr(body, "echo", False)), "best_of": getattr(body, "best_of", None) not in (None, 1),
                        "suffix": bool(getattr(body, "suffix", None))}
         for name, bad in unsupported.items():
             if bad:
@@ -153,9 +155,20 @@ class Server:
         if max_tokens is None:
             max_tokens = max(1, min(self.default_max_tokens, self.context - prompt_len))
         logprobs = body.alternatives() if isinstance(body, ChatBody) else body.logprobs
+        try:
+            bias = {int(t): v for t, v in (body.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
+        if any(not -100 <= v <= 100 for v in bias.values()):
+            raise APIError(400, "logit_bias: values must be in [-100, 100]", param="logit_bias")
+        if body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens: {body.min_tokens} exceeds max_tokens ({max_tokens})", param="min_tokens")
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                               max_new_tokens=max_tokens, ignore_eos=body.ignore_eos, seed=body.seed,
-                              logprobs=logprobs)
+                              logprobs=logprobs, presence_penalty=body.presence_penalty,
+                              frequency_penalty=body.frequency_penalty,
+                              repetition_penalty=body.repetition_penalty, logit_bias=bias or None,
+                              min_tokens=body.min_tokens)
 
     def chat_ids(self, body: ChatBody) -> list[int]:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}

@@ -84,3 +84,102 @@ def test_bad_logprobs_value():
     for bad in (-1, 21):
         with pytest.raises(ValueError, match="logprobs must be in"):
             SamplingParams(logprobs=bad).validate()
+
+
+# --------------------------------------------------------------------- logit transforms (penalties, ...)
+
+PENALTIES = dict(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={7: 3.0, 9: -2.0},
+                 min_tokens=5)
+
+
+def reference_logprobs(llm, seq, params):  # noqa: F811
+    """Each output token's transformed logprob, recomputed position by position in plain torch from a
+    teacher-forced forward (an implementation independent of Sampler.adjust)."""
+    ids = seq.prompt_ids + seq.output_ids
+    with torch.inference_mode(), llm.borrow() as b:
+        feature, _, _ = b.forward([ids[:-1]])
+        logits = llm.model.logits(feature[len(seq.prompt_ids) - 1:]).float()
+    out = []
+    for i, (row, tok) in enumerate(zip(logits, seq.output_ids)):
+        counts = torch.bincount(torch.tensor(seq.output_ids[:i], dtype=torch.long), minlength=row.numel()).float()
+        row = row - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+        seen = counts > 0
+        seen[seq.prompt_ids] = True
+        rp = params.repetition_penalty
+        row = torch.where(seen, torch.where(row > 0, row / rp, row * rp), row)
+        for t, v in (params.logit_bias or {}).items():
+            row[t] += v
+        if i < params.min_tokens:
+            row[list(llm.sampler.eos_ids)] = -math.inf
+        row = row.to(logits.dtype)
+        lp = llm.sampler.logprobs(row[None], [params], torch.tensor([tok]), 0)
+        out.append(lp[0, 0].item())
+    return out
+
+
+@pytest.mark.parametrize("name", ["vanilla"] + list(METHODS))
+def test_penalties_greedy_equal_vanilla(llm, name):  # noqa: F811
+    """Greedy under every transform at once: each method's tokens and logprobs are vanilla's, and both are
+    the plain-torch reference's."""
+    params = SamplingParams(max_new_tokens=NEW, logprobs=2, **PENALTIES)
+    ref = run(llm, "vanilla", {}, params)
+    method, args = METHODS.get(name, ("vanilla", {}))
+    for s, r in zip(run(llm, method, args, params), ref):
+        assert s.output_ids == r.output_ids and s.logprobs == r.logprobs
+        assert [lp for lp, _ in s.logprobs] == pytest.approx(reference_logprobs(llm, s, params), abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["sps", "eagle3", "eagle3-adaptive"])
+def test_penalties_sampled_follow_the_transformed_target(llm, name):  # noqa: F811
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.9, seed=3, logprobs=0, **PENALTIES)
+    method, args = METHODS[name]
+    for s in run(llm, method, args, params):
+        got = [lp for lp, _ in s.logprobs]
+        assert got == pytest.approx(reference_logprobs(llm, s, params), abs=1e-5) and min(got) > -math.inf
+
+
+def test_transforms_do_what_they_say(llm):  # noqa: F811
+    method, args = METHODS["eagle3"]
+    out = run(llm, method, args, SamplingParams(max_new_tokens=NEW, ignore_eos=True, logit_bias={11: 100.0}))
+    assert all(s.output_ids == [11] * NEW for s in out)
+    eos = sorted(llm.sampler.eos_ids)[0]
+    out = run(llm, method, args, SamplingParams(max_new_tokens=NEW, logit_bias={eos: 100.0}, min_tokens=4))
+    assert all(s.output_ids[4:] == [eos] and s.finish_reason == "stop" for s in out)
+
+
+def test_bad_transform_values(llm):  # noqa: F811
+    for bad, match in ((dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency"),
+                       (dict(repetition_penalty=0), "repetition_penalty"), (dict(logit_bias={1: 101}), "logit_bias"),
+                       (dict(min_tokens=9, max_new_tokens=8), "min_tokens")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**bad).validate()
+    with pytest.raises(ValueError, match="logit_bias: token ids"):
+        llm.generate([PROMPTS[0]], SamplingParams(logit_bias={10**6: 1.0}))
+    assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
+
+
+def test_adjust_over_a_tree_is_adjust_after_each_nodes_path(llm):  # noqa: F811
+    """Sampler.adjust at tree node j (random trees of depth up to 4, every transform) equals adjust of a
+    plain step whose output holds the path's drafted tokens: what vanilla would see there."""
+    from engine.scheduler import Sequence
+    from engine.trees import Tree
+    g = torch.Generator().manual_seed(0)
+    V = llm.cfg.vocab_size
+    parents = torch.tensor([[-1, 0, 0, 1, 3, 4, 2], [-1, 0, 1, 2, 3, 1, 5]], dtype=torch.int32)
+    depths = torch.tensor([[0, 1, 1, 2, 3, 4, 2], [0, 1, 2, 3, 4, 2, 3]], dtype=torch.int32)
+    tokens = torch.randint(3, V, (2, 7), generator=g)
+    tree = Tree(tokens, parents, depths, torch.zeros(2, 7), torch.tensor([7, 7], dtype=torch.int32))
+    seqs = [Sequence([1, 5, 9], SamplingParams(max_new_tokens=16, **PENALTIES)),
+            Sequence([1, 7], SamplingParams(max_new_tokens=16))]
+    seqs[0].output_ids, seqs[1].output_ids = [11, 11, int(tokens[0, 0])], [4, int(tokens[1, 0])]
+    logits = torch.randn(2, 7, V, generator=g) * 3
+    with torch.inference_mode():
+        got = llm.sampler.adjust(logits, seqs, tree)
+        assert torch.equal(got[1], logits[1])  # no transforms asked: the row untouched
+        for j in range(7):
+            path, i = [], j
+            while i > 0:
+                path.append(int(tokens[0, i]))
+                i = int(parents[0, i])
+            plain = Sequence(seqs[0].prompt_ids, seqs[0].params, output_ids=seqs[0].output_ids + path[::-1])
+            assert torch.equal(got[0, j], llm.sampler.adjust(logits[0, j][None], [plain])[0]), j

@@ -148,6 +148,21 @@ def test_logprobs_chat_and_completions(server):
     assert server.idle()
 
 
+def test_penalties_bias_and_min_tokens(server):
+    """The logit transforms reach the engine: a +100 bias makes a token the whole answer; min_tokens keeps EOS
+    away; penalties are accepted (their arithmetic and losslessness: tests/test_logprobs.py)."""
+    tok = server.engine.llm.tokenizer
+    word = tok.encode(" blue")[-1]
+    r = chat(server, "Say hi.", max_tokens=5, logit_bias={str(word): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == tok.decode([word] * 5)
+    eos = tok.eos_token_id
+    r = chat(server, "Say hi.", max_tokens=6, logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "stop"
+    r = chat(server, "List some fruit.", max_tokens=16, presence_penalty=1.5, frequency_penalty=0.5,
+             extra_body={"repetition_penalty": 1.2})
+    assert r.choices[0].message.content and server.idle()
+
+
 BAD = [
     (b"{not json", 400), (b"[1, 2]", 400),
     ({"messages": [{"role": "user", "content": "hi"}]}, 400),                        # no model
@@ -170,6 +185,13 @@ BAD = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": -1}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400),  # no logprobs
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -3}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"abc": 1}}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 1}}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "min_tokens": 5}, 400),
     ({"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}, 404),
 ]
 
