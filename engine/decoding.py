@@ -67,7 +67,29 @@ class Decoder:
         for n in counts:
             ends.append((ends[-1] if ends else 0) + n)
         last = self.runner.index([e - 1 for e in ends])
-        return self.sampled(seqs, self.sampler.adjust(self.model.logits(feature.index_select(0, last)), seqs))
+        verdict = self.sampled(seqs, self.sampler.adjust(self.model.logits(feature.index_select(0, last)), seqs))
+        if any(s.params.prompt_logprobs is not None for s in seqs):
+            verdict.prompt_logprobs = self.prompt_logprobs(seqs, feature, ends)
+        return verdict
+
+    def prompt_logprobs(self, seqs: list[Sequence], feature: torch.Tensor, ends: list[int], chunk: int = 256):
+        """Per sequence asking (params.prompt_logprobs): [None] + each later prompt token's TokenLogprob under
+        the request's temperature / top-k / top-p (no penalties: those are about the output), from the
+        prefill's features [T, H]; the logits go chunk rows at a time. None for the others."""
+        out = []
+        for s, end in zip(seqs, ends):
+            k, n = s.params.prompt_logprobs, len(s.prompt_ids)
+            if k is None:
+                out.append(None)
+                continue
+            rows = []
+            for a in range(0, n - 1, chunk):
+                b = min(a + chunk, n - 1)
+                logits = self.model.logits(feature[end - n + a:end - n + b])
+                rows += self.sampler.logprobs(logits, [s.params] * (b - a), self.runner.to_device(s.prompt_ids[a + 1:b + 1]),
+                                              k).tolist()
+            out.append([None] + [(r[0], [(int(t), v) for t, v in zip(r[1:1 + k], r[1 + k:])]) for r in rows])
+        return out
 
     def decode(self, seqs: list[Sequence]) -> "Verdict":
         """One target forward over each sequence's last token. -> next tokens."""
@@ -134,6 +156,7 @@ class Verdict:
     depth: int = 0                 # levels drafted (0: a plain decode step)
     backlog_s: float = 0.0         # of the round's time, feeding the draft what earlier rounds left it
     logprobs: list[list[TokenLogprob] | None] | None = None  # per sequence asking: one per new token
+    prompt_logprobs: list | None = None  # prefill: per sequence asking, Sequence.prompt_logprobs
 
     @property
     def lengths(self) -> list[int]:

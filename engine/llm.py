@@ -174,6 +174,9 @@ class LLM:
                 self._observe(batch, planned, verdict, None if len(self.decoder.graphs) > built else seconds)
             stats.decode_s += seconds
             stats.steps += 1
+        for seq, prompt in zip(batch, verdict.prompt_logprobs or ()):
+            if prompt is not None:
+                seq.prompt_logprobs = prompt
         logprobs = verdict.logprobs or [None] * len(batch)
         for seq, toks, lps in zip(batch, verdict.new_tokens, logprobs):
             kept = self.scheduler.commit(seq, toks, lps)

@@ -32,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None       # a request's own random stream (None: the engine's shared one)
     logprobs: int | None = None   # each output token's log-probability and this many alternatives (None: off)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens after its first (None: off)
     # Logit transforms before sampling (as vLLM's): presence / frequency penalties over the output tokens,
     # repetition penalty over prompt and output, a bias per token id, EOS masked before min_tokens.
     presence_penalty: float = 0.0
@@ -49,8 +50,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -88,6 +91,7 @@ class Sequence:
     seq_id: int = field(default_factory=new_seq_id)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, with params.logprobs
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per prompt token (the first: None)
     finish_reason: str | None = None   # "stop" (EOS, or a stop string seen by the caller), "length", "abort"
     # What a running sequence carries for the engine, dropped when it retires: the decoding method's draft
     # state (EAGLE's head cursor, SpS's next draft logits) and, with params.seed, its random generator.

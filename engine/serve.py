@@ -145,7 +145,7 @@ class Server:
                            param="model", code="model_not_found")
 
     def params(self, body: Sampling, prompt_len: int, max_tokens: int | None) -> SamplingParams:
-        unsupported = {"n": body.n != 1, "echo": bool(getattr(body, "echo", False)), "best_of": getattr(body, "best_of", None) not in (None, 1),
+        unsupported = {"n": body.n != 1, "best_of": getattr(body, "best_of", None) not in (None, 1),
                        "suffix": bool(getattr(body, "suffix", None))}
         for name, bad in unsupported.items():
             if bad:
@@ -154,7 +154,9 @@ class Server:
             raise APIError(400, "stop: stop strings must be non-empty", param="stop")
         if max_tokens is None:
             max_tokens = max(1, min(self.default_max_tokens, self.context - prompt_len))
-        logprobs = body.alternatives() if isinstance(body, ChatBody) else body.logprobs
+        chat = isinstance(body, ChatBody)
+        logprobs = body.alternatives() if chat else body.logprobs
+        prompt_logprobs = logprobs if not chat and body.echo else None
         try:
             bias = {int(t): v for t, v in (body.logit_bias or {}).items()}
         except ValueError:
@@ -165,7 +167,7 @@ class Server:
             raise APIError(400, f"min_tokens: {body.min_tokens} exceeds max_tokens ({max_tokens})", param="min_tokens")
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                               max_new_tokens=max_tokens, ignore_eos=body.ignore_eos, seed=body.seed,
-                              logprobs=logprobs, presence_penalty=body.presence_penalty,
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
                               frequency_penalty=body.frequency_penalty,
                               repetition_penalty=body.repetition_penalty, logit_bias=bias or None,
                               min_tokens=body.min_tokens)
@@ -200,8 +202,10 @@ class Server:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._stream(req, rid, chat, usage), media_type="text/event-stream")
+            return StreamingResponse(self._stream(req, body, rid, chat, usage), media_type="text/event-stream")
         text, finish, logprobs = await self._collect(http, req)
+        if not chat and body.echo:  # the prompt before the completion, its tokens' logprobs before theirs
+            text, logprobs = self.echo(req, body) + text, self.prompt_entries(req) + logprobs
         choice = {"index": 0, "finish_reason": finish, "logprobs": self.logprobs(req, logprobs, chat)}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
@@ -238,7 +242,7 @@ class Server:
             raise asyncio.CancelledError
         return work.result()
 
-    async def _stream(self, req: EngineRequest, rid: str, chat: bool, include_usage: bool):
+    async def _stream(self, req: EngineRequest, body: Sampling, rid: str, chat: bool, include_usage: bool):
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -257,8 +261,12 @@ class Server:
         try:
             if chat:
                 yield chunk(None, None, first=True)
+            echo = not chat and body.echo
             while True:
                 delta = await req.queue.get()
+                if echo and delta.finish_reason != "error":  # the prefill is done: the prompt goes first
+                    yield chunk(self.echo(req, body), None, logprobs=self.prompt_entries(req))
+                    echo = False
                 if delta.finish_reason == "error":
                     err = {"error": {"message": delta.text, "type": "server_error", "param": None, "code": None}}
                     yield f"data: {json.dumps(err)}\n\n"
@@ -273,6 +281,13 @@ class Server:
             if not req.done:
                 self.engine.abort(req)
 
+    def echo(self, req: EngineRequest, body: "CompletionBody") -> str:
+        """The prompt as the client sent it (text), or its tokens' text."""
+        return body.prompt if isinstance(body.prompt, str) else self.engine.llm.tokenizer.decode(body.prompt)
+
+    def prompt_entries(self, req: EngineRequest) -> list:
+        """(token, TokenLogprob or None) of the prompt, for echo: empty unless logprobs were asked."""
+        return list(zip(req.seq.prompt_ids, req.seq.prompt_logprobs))
 
     def logprobs(self, req: EngineRequest, tokens: list, chat: bool) -> dict | None:
         """OpenAI's logprobs object for (token, TokenLogprob) pairs: chat's `content` list, or the legacy
@@ -280,19 +295,32 @@ class Server:
         top-k / top-p excludes) is reported as -9999.0, as vLLM does."""
         if req.seq.params.logprobs is None:
             return None
-        text = lambda t: self.engine.llm.tokenizer.decode([t])
-        finite = lambda v: max(v, -9999.0)
-        if chat:
-            entry = lambda t, v: {"token": text(t), "logprob": finite(v), "bytes": list(text(t).encode())}
-            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
-                                for t, (lp, top) in tokens]}
+        if not chat:
+            return self.completion_logprobs(tokens)
+        text = self.token_text
+        entry = lambda t, v: {"token": text(t), "logprob": finite(v), "bytes": list(text(t).encode())}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
+                            for t, (lp, top) in tokens]}
+
+    def completion_logprobs(self, tokens: list) -> dict:
+        """The legacy completions lists; an entry without logprobs (a prompt's first token) is null."""
+        text = self.token_text
         offsets, at = [], 0
         for t, _ in tokens:
             offsets.append(at)
             at += len(text(t))
-        return {"tokens": [text(t) for t, _ in tokens], "token_logprobs": [finite(lp) for _, (lp, _) in tokens],
-                "top_logprobs": [{text(a): finite(v) for a, v in top} for _, (_, top) in tokens],
+        return {"tokens": [text(t) for t, _ in tokens],
+                "token_logprobs": [None if e is None else finite(e[0]) for _, e in tokens],
+                "top_logprobs": [None if e is None else {text(a): finite(v) for a, v in e[1]} for _, e in tokens],
                 "text_offset": offsets}
+
+    def token_text(self, token: int) -> str:
+        return self.engine.llm.tokenizer.decode([token])
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -inf (a token the request's top-k / top-p excludes): -9999.0 instead, as vLLM."""
+    return max(logprob, -9999.0)
 
 
 def usage_of(req: EngineRequest) -> dict:

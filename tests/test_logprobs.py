@@ -183,3 +183,23 @@ def test_adjust_over_a_tree_is_adjust_after_each_nodes_path(llm):  # noqa: F811
                 i = int(parents[0, i])
             plain = Sequence(seqs[0].prompt_ids, seqs[0].params, output_ids=seqs[0].output_ids + path[::-1])
             assert torch.equal(got[0, j], llm.sampler.adjust(logits[0, j][None], [plain])[0]), j
+
+
+@pytest.mark.parametrize("name", ["vanilla", "eagle3", "sps"])
+def test_prompt_logprobs_are_a_forward_over_the_prompt(llm, name):  # noqa: F811
+    """Prompt logprobs (echo): None for the first token, then each token's under the request's distribution
+    from the prefill, equal to a teacher-forced forward's, batched or alone, whatever the method."""
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    method, args = METHODS.get(name, ("vanilla", {}))
+    seqs = run(llm, method, args, params)
+    alone = [llm.generate([p], params)[0][0] for p in PROMPTS]
+    for s in seqs:
+        assert len(s.prompt_logprobs) == len(s.prompt_ids) and s.prompt_logprobs[0] is None
+        with torch.inference_mode(), llm.borrow() as b:
+            feature, _, _ = b.forward([s.prompt_ids])
+            want = llm.sampler.logprobs(llm.model.logits(feature[:-1]), [params] * (len(s.prompt_ids) - 1),
+                                        torch.tensor(s.prompt_ids[1:]), 2).tolist()
+        for (lp, top), row in zip(s.prompt_logprobs[1:], want):
+            assert lp == pytest.approx(row[0], abs=1e-5) and [t for t, _ in top] == [int(t) for t in row[1:3]]
+        assert s.logprobs == []
+    assert [s.prompt_logprobs for s in seqs] == [s.prompt_logprobs for s in alone]

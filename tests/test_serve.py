@@ -148,6 +148,28 @@ def test_logprobs_chat_and_completions(server):
     assert server.idle()
 
 
+def test_echo_with_prompt_logprobs(server):
+    """lm-evaluation-harness's request: echo + logprobs gives the prompt's tokens (the first without a
+    logprob) before the completion's, streamed or not."""
+    prompt = "The capital of France is"
+    n_prompt = len(server.engine.llm.tokenizer.encode(prompt))
+    r = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                         logprobs=1)
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert text.startswith(prompt) and len(lp.tokens) == n_prompt + r.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert "".join(lp.tokens[:n_prompt]) == prompt
+    chunks = list(server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                                   echo=True, logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == text
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    plain = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text == text and plain.choices[0].logprobs is None
+    assert server.idle()
+
+
 def test_penalties_bias_and_min_tokens(server):
     """The logit transforms reach the engine: a +100 bias makes a token the whole answer; min_tokens keeps EOS
     away; penalties are accepted (their arithmetic and losslessness: tests/test_logprobs.py)."""
