@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -29,6 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .loader import ModelNotFoundError
 from .run import add_engine_args, build_llm, default_method
 from .scheduler import MAX_LOGPROBS, SamplingParams
+
+MAX_CHOICES = 16  # `n` of one request
 from .serving import AsyncEngine, QueueFull, Request as EngineRequest
 
 
@@ -81,7 +84,7 @@ class Sampling(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -145,7 +148,7 @@ class Server:
                            param="model", code="model_not_found")
 
     def params(self, body: Sampling, prompt_len: int, max_tokens: int | None) -> SamplingParams:
-        unsupported = {"n": body.n != 1, "best_of": getattr(body, "best_of", None) not in (None, 1),
+        unsupported = {"best_of": getattr(body, "best_of", None) not in (None, 1),
                        "suffix": bool(getattr(body, "suffix", None))}
         for name, bad in unsupported.items():
             if bad:
@@ -198,24 +201,40 @@ class Server:
         except RuntimeError as e:
             raise APIError(503, str(e), kind="server_error") from None
 
-    async def respond(self, http: Request, req: EngineRequest, body: Sampling, chat: bool):
+    def submit_all(self, ids: list[int], params: SamplingParams, body: Sampling) -> list[EngineRequest]:
+        """The request's n choices as engine requests (choice i seeded with seed + i when a seed is given);
+        if one cannot be queued, those already queued are cancelled."""
+        reqs = []
+        try:
+            for i in range(body.n):
+                seed = None if params.seed is None else params.seed + i
+                reqs.append(self.submit(ids, dataclasses.replace(params, seed=seed), body.stops()))
+        except APIError:
+            for req in reqs:
+                self.engine.abort(req)
+            raise
+        return reqs
+
+    async def respond(self, http: Request, reqs: list[EngineRequest], body: Sampling, chat: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._stream(req, body, rid, chat, usage), media_type="text/event-stream")
-        text, finish, logprobs = await self._collect(http, req)
-        if not chat and body.echo:  # the prompt before the completion, its tokens' logprobs before theirs
-            text, logprobs = self.echo(req, body) + text, self.prompt_entries(req) + logprobs
-        choice = {"index": 0, "finish_reason": finish, "logprobs": self.logprobs(req, logprobs, chat)}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            return StreamingResponse(self._stream(reqs, body, rid, chat, usage), media_type="text/event-stream")
+        choices = []
+        for i, (req, (text, finish, logprobs)) in enumerate(zip(reqs, await self._collect(http, reqs))):
+            if not chat and body.echo:  # the prompt before the completion, its tokens' logprobs before theirs
+                text, logprobs = self.echo(req, body) + text, self.prompt_entries(req) + logprobs
+            choice = {"index": i, "finish_reason": finish, "logprobs": self.logprobs(req, logprobs, chat)}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            choices.append(choice)
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": self.model_name, "choices": [choice],
-                             "usage": usage_of(req)})
+                             "created": int(time.time()), "model": self.model_name, "choices": choices,
+                             "usage": usage_of(reqs)})
 
-    async def _collect(self, http: Request, req: EngineRequest) -> tuple[str, str, list]:
-        """The whole output (text, finish reason, logprobs), or cancellation when the client disconnects
-        first."""
-        async def collect():
+    async def _collect(self, http: Request, reqs: list[EngineRequest]) -> list[tuple[str, str, list]]:
+        """Each choice's whole output (text, finish reason, logprobs), or cancellation of all when the client
+        disconnects first."""
+        async def collect(req):
             parts, logprobs = [], []
             while True:
                 delta = await req.queue.get()
@@ -230,56 +249,73 @@ class Server:
             while (await http.receive())["type"] != "http.disconnect":
                 pass
 
-        work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+        work = asyncio.ensure_future(asyncio.gather(*(collect(r) for r in reqs)))
+        gone = asyncio.ensure_future(disconnected())
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not work.done():
                 work.cancel()
-                self.engine.abort(req)
+                for req in reqs:
+                    self.engine.abort(req)
         if work.cancelled():
             raise asyncio.CancelledError
         return work.result()
 
-    async def _stream(self, req: EngineRequest, body: Sampling, rid: str, chat: bool, include_usage: bool):
+    async def _stream(self, reqs: list[EngineRequest], body: Sampling, rid: str, chat: bool, include_usage: bool):
+        """Server-sent events of all choices, each chunk one choice's delta (its `index`), as they arrive."""
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, first: bool = False, logprobs=()) -> str:
-            lp = self.logprobs(req, logprobs, chat) if logprobs else None
+        def chunk(i: int, text: str | None, finish: str | None, first: bool = False, logprobs=()) -> str:
+            lp = self.logprobs(reqs[i], logprobs, chat) if logprobs else None
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
+                choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
+                choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": lp}
             out = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
             if include_usage:
                 out["usage"] = None
             return f"data: {json.dumps(out)}\n\n"
 
-        try:
-            if chat:
-                yield chunk(None, None, first=True)
-            echo = not chat and body.echo
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def forward(i, req):
             while True:
                 delta = await req.queue.get()
-                if echo and delta.finish_reason != "error":  # the prefill is done: the prompt goes first
-                    yield chunk(self.echo(req, body), None, logprobs=self.prompt_entries(req))
-                    echo = False
+                await merged.put((i, delta))
+                if delta.finish_reason:
+                    return
+
+        tasks = [asyncio.ensure_future(forward(i, r)) for i, r in enumerate(reqs)]
+        try:
+            if chat:
+                for i in range(len(reqs)):
+                    yield chunk(i, None, None, first=True)
+            echo = set(range(len(reqs))) if not chat and body.echo else set()
+            left = len(reqs)
+            while left:
+                i, delta = await merged.get()
+                if i in echo and delta.finish_reason != "error":  # the prefill is done: the prompt goes first
+                    yield chunk(i, self.echo(reqs[i], body), None, logprobs=self.prompt_entries(reqs[i]))
+                    echo.discard(i)
                 if delta.finish_reason == "error":
                     err = {"error": {"message": delta.text, "type": "server_error", "param": None, "code": None}}
                     yield f"data: {json.dumps(err)}\n\n"
                     break
-                yield chunk(delta.text, delta.finish_reason, logprobs=delta.logprobs)
-                if delta.finish_reason:
-                    break
+                yield chunk(i, delta.text, delta.finish_reason, logprobs=delta.logprobs)
+                left -= bool(delta.finish_reason)
             if include_usage:
-                yield f"data: {json.dumps({'id': rid, 'object': kind, 'created': created, 'model': self.model_name, 'choices': [], 'usage': usage_of(req)})}\n\n"
+                yield f"data: {json.dumps({'id': rid, 'object': kind, 'created': created, 'model': self.model_name, 'choices': [], 'usage': usage_of(reqs)})}\n\n"
             yield "data: [DONE]\n\n"
         finally:   # the client went away mid-stream (or we are done: then abort is a no-op)
-            if not req.done:
-                self.engine.abort(req)
+            for task in tasks:
+                task.cancel()
+            for req in reqs:
+                if not req.done:
+                    self.engine.abort(req)
 
     def echo(self, req: EngineRequest, body: "CompletionBody") -> str:
         """The prompt as the client sent it (text), or its tokens' text."""
@@ -323,9 +359,10 @@ def finite(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
-def usage_of(req: EngineRequest) -> dict:
-    return {"prompt_tokens": req.prompt_tokens, "completion_tokens": req.completion_tokens,
-            "total_tokens": req.prompt_tokens + req.completion_tokens}
+def usage_of(reqs: list[EngineRequest]) -> dict:
+    """A request's choices share its prompt: counted once."""
+    prompt, completion = reqs[0].prompt_tokens, sum(r.completion_tokens for r in reqs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def build_app(server: Server) -> FastAPI:
@@ -367,7 +404,7 @@ def build_app(server: Server) -> FastAPI:
         server.check_model(body)
         ids = server.chat_ids(body)
         params = server.params(body, len(ids), body.max_completion_tokens or body.max_tokens)
-        return await server.respond(http, server.submit(ids, params, body.stops()), body, chat=True)
+        return await server.respond(http, server.submit_all(ids, params, body), body, chat=True)
 
     @app.post("/v1/completions")
     async def completions(http: Request):
@@ -375,7 +412,7 @@ def build_app(server: Server) -> FastAPI:
         server.check_model(body)
         ids = server.completion_ids(body)
         params = server.params(body, len(ids), body.max_tokens)
-        return await server.respond(http, server.submit(ids, params, body.stops()), body, chat=False)
+        return await server.respond(http, server.submit_all(ids, params, body), body, chat=False)
 
     return app
 

@@ -170,6 +170,26 @@ def test_echo_with_prompt_logprobs(server):
     assert server.idle()
 
 
+def test_n_choices(server):
+    """n choices, each its own engine request (choice i seeded with seed + i): indexed, the prompt counted once
+    in usage, streamed as chunks tagged by index; greedy choices equal the request alone (the server runs
+    `auto`, whose sampled draws follow the batch's draft depth: README)."""
+    r = chat(server, "Name a color.", n=3, max_tokens=10, temperature=0.9, seed=5, logprobs=True)
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(c.message.content for c in r.choices)
+    one = chat(server, "Name a color.", max_tokens=10)
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+    chunks = list(chat(server, "Name a color.", n=3, max_tokens=10, temperature=0.9, seed=5, stream=True))
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1, 2]
+    assert all("".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i)
+               for i in range(3))
+    greedy = chat(server, "Name a color.", n=2, max_tokens=10)
+    assert [c.message.content for c in greedy.choices] == [one.choices[0].message.content] * 2
+    c = server.client.completions.create(model=MODEL, prompt="Once upon a time", n=2, max_tokens=6, temperature=0)
+    assert len(c.choices) == 2 and c.choices[0].text == c.choices[1].text
+    assert server.idle()
+
+
 def test_penalties_bias_and_min_tokens(server):
     """The logit transforms reach the engine: a +100 bias makes a token the whole answer; min_tokens keeps EOS
     away; penalties are accepted (their arithmetic and losslessness: tests/test_logprobs.py)."""
@@ -202,7 +222,9 @@ BAD = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 17}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": "2"}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": -1}, 400),
