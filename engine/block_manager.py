@@ -4,8 +4,18 @@ A sequence's token at logical position p lives in slot `table[p // block_size] *
 of the cache tensors (owned by the model runner). Speculative rounds append the whole draft tree, then
 `truncate` back to the accepted length: blocks past it return to the pool at once. The target and a draft's
 own cache (same block geometry, other tensors) share a sequence's table.
+
+Prefix caching: a full block whose KV is final can be registered under a key (the scheduler's hash of every
+token up to it and the one after it: prefix_keys). Blocks are reference counted; a registered block nobody
+holds stays cached, LRU-evicted only when a fresh block is needed, and a new sequence whose prompt starts with
+the same tokens takes it into its table (`share`) instead of recomputing it. Shared blocks are never written:
+a sequence writes only past its shared prefix.
 """
 from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
 
 
 class OutOfBlocks(RuntimeError):
@@ -20,10 +30,65 @@ class BlockManager:
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: recently freed blocks are reused first
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        self.refs = [0] * num_blocks                     # tables holding each block
+        self.key_of: dict[int, bytes] = {}               # registered block -> its prefix key
+        self.by_key: dict[bytes, int] = {}
+        self.cached: OrderedDict[int, None] = OrderedDict()  # registered blocks nobody holds, least recent first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can get: never used, or cached ones nobody holds (evicted on demand)."""
+        return len(self._free) + len(self.cached)
+
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:  # the least recently released cached block
+            block, _ = self.cached.popitem(last=False)
+            del self.by_key[self.key_of.pop(block)]
+        self.refs[block] = 1
+        return block
+
+    def _release(self, block: int):
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if block in self.key_of:
+                self.cached[block] = None
+            else:
+                self._free.append(block)
+
+    def share(self, seq_id: int, keys: list[bytes]) -> int:
+        """Start an empty sequence with the registered blocks of its prefix keys, as far as they are cached.
+        -> the tokens shared."""
+        if self.tables.get(seq_id):
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        table = []
+        for key in keys:
+            block = self.by_key.get(key)
+            if block is None:
+                break
+            if self.refs[block] == 0:
+                del self.cached[block]
+            self.refs[block] += 1
+            table.append(block)
+        if table:
+            self.tables[seq_id], self.lengths[seq_id] = table, len(table) * self.block_size
+        return len(table) * self.block_size
+
+    def drop_cache(self):
+        """Forget every registration; blocks nobody holds become plainly free."""
+        self._free += list(self.cached)
+        self.cached.clear()
+        self.key_of.clear()
+        self.by_key.clear()
+
+    def register(self, seq_id: int, first: int, keys: list[bytes]):
+        """Register the sequence's blocks first, first + 1, ... under `keys` (full, final blocks). A key
+        already cached elsewhere keeps its block."""
+        table = self.tables[seq_id]
+        for block, key in zip(table[first:], keys):
+            if key not in self.by_key and block not in self.key_of:
+                self.by_key[key], self.key_of[block] = block, key
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -38,12 +103,12 @@ class BlockManager:
         table = self.tables.setdefault(seq_id, [])
         start = self.lengths.get(seq_id, 0)
         need = self.blocks_for(start + n) - len(table)
-        if need > len(self._free):
+        if need > self.num_free:
             if not table:
                 del self.tables[seq_id]
             raise OutOfBlocks(f"KV cache exhausted: sequence {seq_id} needs {need} more blocks, "
-                              f"{len(self._free)} of {self.num_blocks} free (raise --kv-cache-gb)")
-        table.extend(self._free.pop() for _ in range(need))
+                              f"{self.num_free} of {self.num_blocks} free (raise --kv-cache-gb)")
+        table.extend(self._take() for _ in range(need))
         self.lengths[seq_id] = start + n
 
     def reserve(self, seq_id: int, length: int):
@@ -65,13 +130,28 @@ class BlockManager:
         table = self.tables[seq_id]
         keep = self.blocks_for(length)
         while len(table) > keep:
-            self._free.append(table.pop())
+            self._release(table.pop())
         self.lengths[seq_id] = length
 
     def free(self, seq_id: int):
         for block in reversed(self.tables.pop(seq_id, [])):
-            self._free.append(block)
+            self._release(block)
         self.lengths.pop(seq_id, None)
 
     def block_table(self, seq_id: int) -> list[int]:
         return self.tables.get(seq_id, [])
+
+
+def prefix_keys(tokens: list[int], block_size: int, start_key: bytes = b"", first: int = 0,
+                blocks: int | None = None) -> list[bytes]:
+    """Keys of the blocks first, first + 1, ... of a token sequence (`blocks` of them, or every block whose
+    tokens and the token after it are known): a hash of all tokens up to the block's end and the next one,
+    chained from the previous block's key (`start_key`). The next token is in because a draft head's KV at a
+    block's last position depends on it (EAGLE pairs a position with the token after it)."""
+    n = (len(tokens) - 1) // block_size - first if blocks is None else blocks
+    keys, key = [], start_key
+    for k in range(first, first + n):
+        chunk = array("q", tokens[k * block_size:(k + 1) * block_size + 1])
+        key = hashlib.blake2b(key + chunk.tobytes(), digest_size=16).digest()
+        keys.append(key)
+    return keys

@@ -58,9 +58,10 @@ class Decoder:
 
     def prefill_target(self, seqs: list[Sequence]) -> "Verdict":
         """Target prefill -> each sequence's first token."""
-        counts = [len(s.prompt_ids) for s in seqs]
-        meta, pos, ids = self.runner.meta(self.plan(seqs, [0] * len(seqs), counts),
-                                          ids=[t for s in seqs for t in s.prompt_ids])
+        starts = [s.cached_tokens for s in seqs]  # a cached prefix is not computed again
+        counts = [len(s.prompt_ids) - c for s, c in zip(seqs, starts)]
+        meta, pos, ids = self.runner.meta(self.plan(seqs, starts, counts),
+                                          ids=[t for s, c in zip(seqs, starts) for t in s.prompt_ids[c:]])
         feature, captured = self.model(ids, pos, self.runner.layers, meta, self.capture, self.capture_into)
         self.store(meta.slot_mapping, feature, captured)
         ends = []

@@ -30,6 +30,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class RunStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0   # of the prompt tokens, those the prefix cache held
     new_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -37,7 +38,8 @@ class RunStats:
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "new_tokens": self.new_tokens,
                 "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
                 "prefill_tok_s": round(self.prompt_tokens / max(self.prefill_s, 1e-9), 1),
                 "decode_tok_s": round(self.new_tokens / max(self.decode_s, 1e-9), 1),
@@ -56,12 +58,14 @@ class LLM:
     """model: a name or path (engine.loader), or an engine Llama already on the device in `dtype` (random
     weights for benchmarks, tests; no tokenizer then); device: "auto" (cuda when a GPU is visible), "cpu" or
     "cuda"; dtype, kv_cache_gb and cuda_graphs default to the device's (engine/device.py); weights:
-    engine.loader.WEIGHTS (None: dense for float32, else auto: a GGUF's blocks stay quantized on the CPU)."""
+    engine.loader.WEIGHTS (None: dense for float32, else auto: a GGUF's blocks stay quantized on the CPU);
+    prefix_cache: reuse the KV of prompt prefixes earlier requests computed (engine/block_manager.py)."""
 
     def __init__(self, model: str | Llama = DEFAULT_MODEL, dtype: str | None = None, device: str = "auto",
                  kv_cache_gb: float | None = None, block_size: int = 16, max_batch: int = 16, seed: int = 0,
                  method: str = "vanilla", method_args: dict | None = None, threads: int | None = None,
-                 cuda_graphs: bool | None = None, timing: bool = False, weights: str | None = None):
+                 cuda_graphs: bool | None = None, timing: bool = False, weights: str | None = None,
+                 prefix_cache: bool = True):
         self.device = resolve_device(device)
         preset = defaults(self.device)
         dtype = dtype or preset.dtype
@@ -90,7 +94,7 @@ class LLM:
             eos.add(self.tokenizer.eos_token_id)
         self.sampler = Sampler(seed, self.device, self.runner, tuple(sorted(eos)))
         self.scheduler = Scheduler(num_blocks, block_size, max_batch, self.cfg.max_position, tuple(eos),
-                                   vocab_size=self.cfg.vocab_size)
+                                   vocab_size=self.cfg.vocab_size, prefix_cache=prefix_cache)
         self.timing = timing
         self.policies = {}  # adaptive policies (engine/adaptive.py) by method arguments, kept across set_method
         self.policy: SpeculationPolicy | None = None  # the current decoder's, when it is adaptive
@@ -114,6 +118,9 @@ class LLM:
         be idle. Benchmarks alternate methods on one loaded target this way."""
         self.decoder, self.policy = decoder, policy
         self.scheduler.lookahead, self.scheduler.held = decoder.lookahead, decoder.held
+        # A cached block holds the target's KV and what the decoder that computed it keeps per slot beside
+        # it (EAGLE's head inputs): another decoder has not written those.
+        self.scheduler.blocks.drop_cache()
         return decoder
 
     def chat_ids(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
@@ -160,6 +167,7 @@ class LLM:
             batch = admitted
             stats.prefill_s += time.perf_counter() - t0
             stats.prompt_tokens += sum(len(s.prompt_ids) for s in admitted)
+            stats.cached_tokens += sum(s.cached_tokens for s in admitted)
         else:
             batch = [s for s in self.scheduler.running if not s.finished]
             self.scheduler.prepare(batch, prefill=False)

@@ -24,6 +24,8 @@ class Metrics:
         self.requests = Counter("eagle_requests", "Finished requests by finish reason (stop, length, abort, "
                                 "error)", ["method", "finish_reason"], registry=r)
         self.prompt_tokens = Counter("eagle_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("eagle_prompt_tokens_cached", "Of those, tokens the prefix cache held (not "
+                                     "prefilled); the hit rate is this over eagle_prompt_tokens", registry=r)
         self.generation_tokens = Counter("eagle_generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram("eagle_time_to_first_token_seconds", "Arrival to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
@@ -100,5 +102,6 @@ class Metrics:
     def finished(self, method: str, req, reason: str):
         self.requests.labels(method, reason).inc()
         self.prompt_tokens.inc(req.prompt_tokens)
+        self.cached_tokens.inc(req.seq.cached_tokens)
         if reason != "abort":
             self.latency.observe(time.perf_counter() - req.arrived)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, prefix_keys
 
 
 MAX_LOGPROBS = 20  # alternatives a token's logprobs may list (OpenAI's top_logprobs limit)
@@ -93,6 +93,8 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, with params.logprobs
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per prompt token (the first: None)
     finish_reason: str | None = None   # "stop" (EOS, or a stop string seen by the caller), "length", "abort"
+    cached_tokens: int = 0             # prompt tokens whose KV came from the prefix cache (not prefilled)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix keys of its blocks registered so far
     # What a running sequence carries for the engine, dropped when it retires: the decoding method's draft
     # state (EAGLE's head cursor, SpS's next draft logits) and, with params.seed, its random generator.
     draft_state: object = None
@@ -114,8 +116,10 @@ def cached_len(seq: Sequence) -> int:
 
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_batch: int, max_model_len: int,
-                 eos_ids: tuple[int, ...], lookahead: int = 1, vocab_size: int | None = None):
+                 eos_ids: tuple[int, ...], lookahead: int = 1, vocab_size: int | None = None,
+                 prefix_cache: bool = True):
         self.blocks = BlockManager(num_blocks, block_size)
+        self.prefix_cache = prefix_cache
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.eos_ids, self.lookahead, self.vocab_size = set(eos_ids), lookahead, vocab_size
         self.held = 0  # cache positions past the cached tokens the decoder keeps between steps
@@ -156,6 +160,10 @@ class Scheduler:
             self._reserved[seq.seq_id] = need
             self.running.append(seq)
             admitted.append(seq)
+            if self.prefix_cache and seq.params.prompt_logprobs is None:  # those need every prompt row
+                keys = prefix_keys(seq.prompt_ids, self.blocks.block_size)
+                seq.cached_tokens = self.blocks.share(seq.seq_id, keys)
+                seq.block_keys = keys[:seq.cached_tokens // self.blocks.block_size]
         return admitted
 
     def prepare(self, seqs: list[Sequence], prefill: bool):
@@ -171,11 +179,23 @@ class Scheduler:
         kept = self.append_tokens(seq, tokens)
         if logprobs is not None:
             seq.logprobs += logprobs[:len(kept)]
+        if self.prefix_cache:
+            self._register(seq)
         if not seq.finished:
             # blocks past the kept positions go back to the pool; a block a decoder's cache still uses
             # (SpS's draft holds the root) must not, or a companion could take it and overwrite that KV
             self.blocks.truncate(seq.seq_id, cached_len(seq) + self.held)
         return kept
+
+    def _register(self, seq: Sequence):
+        """Offer the sequence's newly full blocks to the prefix cache: those wholly below its cached tokens
+        (their KV final), each keyed with the token after it."""
+        bs, have = self.blocks.block_size, len(seq.block_keys)
+        full = cached_len(seq) // bs
+        if full > have:
+            new = prefix_keys(seq.all_ids, bs, seq.block_keys[-1] if have else b"", have, full - have)
+            self.blocks.register(seq.seq_id, have, new)
+            seq.block_keys += new
 
     def append_tokens(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """Append generated tokens, stopping at EOS / max_new_tokens / context; returns those kept."""

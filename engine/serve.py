@@ -362,7 +362,8 @@ def finite(logprob: float) -> float:
 def usage_of(reqs: list[EngineRequest]) -> dict:
     """A request's choices share its prompt: counted once."""
     prompt, completion = reqs[0].prompt_tokens, sum(r.completion_tokens for r in reqs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": reqs[0].seq.cached_tokens}}
 
 
 def build_app(server: Server) -> FastAPI:

@@ -190,6 +190,19 @@ def test_n_choices(server):
     assert server.idle()
 
 
+def test_prefix_cache_in_usage_and_metrics(server):
+    """A repeated conversation's prompt comes from the prefix cache: usage says how much, and so does the
+    Prometheus counter beside the prompt tokens'."""
+    before = server.metric("eagle_prompt_tokens_cached_total")
+    messages = [{"role": "user", "content": "Tell me about the moons of Jupiter, one line each, please."}]
+    first = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    again = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached == (again.usage.prompt_tokens - 1) // 16 * 16
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert server.idle() and server.metric("eagle_prompt_tokens_cached_total") - before >= cached
+
+
 def test_penalties_bias_and_min_tokens(server):
     """The logit transforms reach the engine: a +100 bias makes a token the whole answer; min_tokens keeps EOS
     away; penalties are accepted (their arithmetic and losslessness: tests/test_logprobs.py)."""
