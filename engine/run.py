@@ -44,6 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser, max_batch: int):
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="memory budget of the paged KV cache (default 0.5 on a CPU, 80%% of free memory on a GPU)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="recompute every prompt instead of reusing cached prefixes' KV")
     p.add_argument("--max-batch", type=int, default=max_batch, help="most sequences in the running batch")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     for flag, kw in METHOD_FLAGS:
@@ -56,7 +58,8 @@ def build_llm(args) -> LLM:
     return LLM(args.model, args.dtype, device=args.device, cuda_graphs=args.cuda_graphs,
                kv_cache_gb=args.kv_cache_gb, block_size=args.block_size, max_batch=args.max_batch,
                seed=args.seed, method=args.method or default_method(), weights=args.weights,
-               method_args={k: v for k, v in method_args.items() if v is not None}, threads=args.threads)
+               method_args={k: v for k, v in method_args.items() if v is not None}, threads=args.threads,
+               prefix_cache=args.prefix_cache)
 
 
 # Flags the speculative methods read from `method_args` (unset ones keep each method's default).

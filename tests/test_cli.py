@@ -35,6 +35,7 @@ def test_prompt_longer_than_context_and_json_output(tmp_path):
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [row["prompt"] for row in rows] == ["Name a color.", "Say hi."]
     assert all(len(row["output_ids"]) <= 4 and row["text"] and "decode_tok_s" in row["stats"] for row in rows)
+    assert all("cached_tokens" in row["stats"] for row in rows)
 
     r = run_cli("--method", "vanilla", "--raw", "word " * 9000)
     assert r.returncode == 2 and "context" in r.stderr and "Traceback" not in r.stderr
@@ -46,3 +47,8 @@ def test_device_cuda_without_a_gpu_is_a_one_line_error(capsys):
     assert main(["--device", "cuda", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --device cuda: no CUDA device available")
+
+
+def test_prefix_cache_flag():
+    from engine.run import parse_args
+    assert parse_args(["hi"]).prefix_cache is True and parse_args(["--no-prefix-cache", "hi"]).prefix_cache is False
