@@ -150,20 +150,29 @@ class Scheduler:
                              f"{self.blocks.num_blocks} (raise --kv-cache-gb or lower --max-new-tokens)")
 
     def admit(self) -> list[Sequence]:
-        """Move waiting requests into the running batch while their worst case fits; returns them."""
-        admitted = []
+        """Move waiting requests into the running batch while their worst case fits; returns them. A
+        request whose next uncached prefix block one admitted now will compute (the n choices of a request,
+        repeated prompts) waits a step, to share it once computed."""
+        admitted, computing = [], set()  # prefix keys of the blocks this admission's prefills compute
         while self.waiting and len(self.running) < self.max_batch:
-            need = self._worst_case_blocks(self.waiting[0])
+            seq = self.waiting[0]
+            need = self._worst_case_blocks(seq)
             if sum(self._reserved.values()) + need > self.blocks.num_blocks:
                 break
-            seq = self.waiting.pop(0)
+            keys = []
+            if self.prefix_cache and seq.params.prompt_logprobs is None:  # those need every prompt row
+                keys = prefix_keys(seq.prompt_ids, self.blocks.block_size)
+            hit = next((i for i, k in enumerate(keys) if k not in self.blocks.by_key), len(keys))
+            if hit < len(keys) and keys[hit] in computing:
+                break
+            self.waiting.pop(0)
             self._reserved[seq.seq_id] = need
             self.running.append(seq)
             admitted.append(seq)
-            if self.prefix_cache and seq.params.prompt_logprobs is None:  # those need every prompt row
-                keys = prefix_keys(seq.prompt_ids, self.blocks.block_size)
+            if keys:
                 seq.cached_tokens = self.blocks.share(seq.seq_id, keys)
                 seq.block_keys = keys[:seq.cached_tokens // self.blocks.block_size]
+                computing.update(keys[hit:])
         return admitted
 
     def prepare(self, seqs: list[Sequence], prefill: bool):

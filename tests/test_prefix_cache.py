@@ -101,6 +101,18 @@ def test_a_second_turn_prefills_only_its_new_tokens(tiny):
     assert seq[0].output_ids == ref.generate([turn2], params)[0][0].output_ids
 
 
+def test_identical_prompts_in_one_batch_share_their_prefix(tiny):
+    """n copies of a prompt arriving together: the first prefills it, the others wait one step and share
+    its blocks; outputs as without the cache."""
+    llm, ref = make(tiny, cache=True), make(tiny, cache=False)
+    prompts = [PROMPTS[3]] * 3 + [PROMPTS[0]]
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.8, seed=2)
+    seqs, _ = llm.generate(prompts, params)
+    assert [s.cached_tokens for s in seqs] == [0] + [(len(PROMPTS[3]) - 1) // BS * BS] * 2 + [0]
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in ref.generate(prompts, params)[0]]
+    assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
+
+
 def test_switching_methods_drops_the_cache(tiny):
     """A cached block's per-slot side stores (EAGLE's head inputs) are the decoder's that computed it: a
     method switch forgets the cache, and EAGLE-3 after vanilla on the same prompts still equals vanilla."""
