@@ -159,3 +159,29 @@ class SpeculationPolicy:
                 hits, n = sum(a >= j for a in reached), len(reached)
                 self.accept[j] = (self.accept[j] * self.weight[j] + hits) / (self.weight[j] + n)
                 self.weight[j] = min(self.weight[j] + n, WINDOW)
+
+
+class PrefillPacer:
+    """How many prompt tokens a step prefills beside a decoding round (chunked prefill, engine/scheduler.py).
+
+    While sequences decode, a step's prefill may take about `share` of its decoding round's time, at the
+    prefill rate measured so far (tokens per second, an exponential average over chunks), so a burst of new
+    prompts stretches each running stream's gap between tokens by about 1 + share instead of stalling it for
+    the burst's whole prefill. At least one block's worth (`floor`) goes per step, so prompts always advance;
+    never more than `cap` (None: no cap). With nothing decoding, or before any prefill was timed, the cap."""
+
+    def __init__(self, cap: int | None, share: float | None, floor: int = 16, decay: float = 0.7):
+        self.cap, self.share, self.floor, self.decay = cap, share, floor, decay
+        self.rate: float | None = None
+
+    def budget(self, decode_s: float) -> int | None:
+        """Prompt tokens this step may prefill after a decoding round of decode_s seconds (0: none ran)."""
+        if not decode_s or self.share is None or self.rate is None:
+            return self.cap
+        paced = max(self.floor, int(self.rate * self.share * decode_s))
+        return paced if self.cap is None else min(self.cap, paced)
+
+    def observe(self, tokens: int, seconds: float):
+        if seconds > 0:
+            rate = tokens / seconds
+            self.rate = rate if self.rate is None else self.decay * self.rate + (1 - self.decay) * rate

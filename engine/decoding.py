@@ -1,8 +1,9 @@
 """Decoders: vanilla decoding and the one speculative round every method shares.
 
-A decoder turns the running batch into new tokens per sequence: `prefill(seqs) -> list[list[int]]` and
-`step(seqs, depth) -> Verdict`, `depth` being the levels this round may draft (LLM.step picks it: the
-method's own, or the adaptive policy's; 0 is a plain decode step). The scheduler has reserved room for
+A decoder turns the running batch into new tokens per sequence: `prefill(seqs, counts) -> Verdict` (a
+chunk of each prompt; the first token where it completes one) and `step(seqs, depth) -> Verdict`, `depth`
+being the levels this round may draft (LLM.step picks it: the method's own, or the adaptive policy's; 0 is
+a plain decode step). The scheduler has reserved room for
 what a step writes and applies the result (appends tokens, cuts each cache back to `cached_len`).
 Speculative methods fill in `draft` and `catch_up`; the round is always:
 
@@ -56,40 +57,54 @@ class Decoder:
         """What a method keeps of every target step, per token: slots int64 [T] (padded rows: the scratch
         block), feature [T, H], the `capture` layers' inputs [T, H] each. Runs inside the step's graph."""
 
-    def prefill_target(self, seqs: list[Sequence]) -> "Verdict":
-        """Target prefill -> each sequence's first token."""
-        starts = [s.cached_tokens for s in seqs]  # a cached prefix is not computed again
-        counts = [len(s.prompt_ids) - c for s, c in zip(seqs, starts)]
+    def prefill_target(self, seqs: list[Sequence], counts: list[int]) -> "Verdict":
+        """The target over counts[b] more prompt tokens of each sequence (after its prefilled ones, a cached
+        prefix included) -> the first token of each sequence whose prompt this completes ([] for the others),
+        and the prompt logprobs of the chunk's tokens for those asking."""
+        starts = [s.prefilled for s in seqs]
         meta, pos, ids = self.runner.meta(self.plan(seqs, starts, counts),
-                                          ids=[t for s, c in zip(seqs, starts) for t in s.prompt_ids[c:]])
+                                          ids=[t for s, a, n in zip(seqs, starts, counts) for t in s.prompt_ids[a:a + n]])
         feature, captured = self.model(ids, pos, self.runner.layers, meta, self.capture, self.capture_into)
         self.store(meta.slot_mapping, feature, captured)
         ends = []
         for n in counts:
             ends.append((ends[-1] if ends else 0) + n)
-        last = self.runner.index([e - 1 for e in ends])
-        verdict = self.sampled(seqs, self.sampler.adjust(self.model.logits(feature.index_select(0, last)), seqs))
+        done = [b for b, (s, a, n) in enumerate(zip(seqs, starts, counts)) if a + n == len(s.prompt_ids)]
+        verdict = Verdict([[] for _ in seqs])
+        if done:
+            last = self.runner.index([ends[b] - 1 for b in done])
+            first = self.sampled([seqs[b] for b in done],
+                                 self.sampler.adjust(self.model.logits(feature.index_select(0, last)), [seqs[b] for b in done]))
+            verdict.logprobs = None if first.logprobs is None else [None] * len(seqs)
+            for i, b in enumerate(done):
+                verdict.new_tokens[b] = first.new_tokens[i]
+                if first.logprobs is not None:
+                    verdict.logprobs[b] = first.logprobs[i]
         if any(s.params.prompt_logprobs is not None for s in seqs):
-            verdict.prompt_logprobs = self.prompt_logprobs(seqs, feature, ends)
+            verdict.prompt_logprobs = self.prompt_logprobs(seqs, feature, starts, counts)
         return verdict
 
-    def prompt_logprobs(self, seqs: list[Sequence], feature: torch.Tensor, ends: list[int], chunk: int = 256):
-        """Per sequence asking (params.prompt_logprobs): [None] + each later prompt token's TokenLogprob under
-        the request's temperature / top-k / top-p (no penalties: those are about the output), from the
-        prefill's features [T, H]; the logits go chunk rows at a time. None for the others."""
-        out = []
-        for s, end in zip(seqs, ends):
+    def prompt_logprobs(self, seqs: list[Sequence], feature: torch.Tensor, starts: list[int], counts: list[int],
+                        chunk: int = 256):
+        """Per sequence asking (params.prompt_logprobs): the TokenLogprobs of the prompt tokens this prefill
+        predicts (the row of position p predicts token p + 1; the prompt's first token gets None) under the
+        request's temperature / top-k / top-p (no penalties: those are about the output), from the prefill's
+        features [T, H] (sequence b's counts[b] rows from prompt position starts[b]); the logits go chunk
+        rows at a time. None for the others."""
+        out, row0 = [], 0
+        for s, a, count in zip(seqs, starts, counts):
             k, n = s.params.prompt_logprobs, len(s.prompt_ids)
+            rows, row0 = [], row0 + count
             if k is None:
                 out.append(None)
                 continue
-            rows = []
-            for a in range(0, n - 1, chunk):
-                b = min(a + chunk, n - 1)
-                logits = self.model.logits(feature[end - n + a:end - n + b])
-                rows += self.sampler.logprobs(logits, [s.params] * (b - a), self.runner.to_device(s.prompt_ids[a + 1:b + 1]),
+            top = row0 - count  # sequence s's first row
+            for p in range(a, min(a + count, n - 1), chunk):
+                q = min(p + chunk, a + count, n - 1)
+                logits = self.model.logits(feature[top + p - a:top + q - a])
+                rows += self.sampler.logprobs(logits, [s.params] * (q - p), self.runner.to_device(s.prompt_ids[p + 1:q + 1]),
                                               k).tolist()
-            out.append([None] + [(r[0], [(int(t), v) for t, v in zip(r[1:1 + k], r[1 + k:])]) for r in rows])
+            out.append([None] * (a == 0) + [(r[0], [(int(t), v) for t, v in zip(r[1:1 + k], r[1 + k:])]) for r in rows])
         return out
 
     def decode(self, seqs: list[Sequence]) -> "Verdict":
@@ -134,8 +149,8 @@ class Decoder:
 class VanillaDecoder(Decoder):
     """One target forward per token; the reference every speculative method must match."""
 
-    def prefill(self, seqs: list[Sequence]) -> "Verdict":
-        return self.prefill_target(seqs)
+    def prefill(self, seqs: list[Sequence], counts: list[int]) -> "Verdict":
+        return self.prefill_target(seqs, counts)
 
     def step(self, seqs: list[Sequence], depth: int = 0) -> "Verdict":
         return self.decode(seqs)
@@ -157,7 +172,7 @@ class Verdict:
     depth: int = 0                 # levels drafted (0: a plain decode step)
     backlog_s: float = 0.0         # of the round's time, feeding the draft what earlier rounds left it
     logprobs: list[list[TokenLogprob] | None] | None = None  # per sequence asking: one per new token
-    prompt_logprobs: list | None = None  # prefill: per sequence asking, Sequence.prompt_logprobs
+    prompt_logprobs: list | None = None  # prefill: per sequence asking, its chunk's Sequence.prompt_logprobs
 
     @property
     def lengths(self) -> list[int]:

@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from .adaptive import SpeculationPolicy
-from .decoding import depth_caps, round_depth
+from .adaptive import PrefillPacer, SpeculationPolicy
+from .decoding import Verdict, depth_caps, round_depth
 from .device import CUDA_KV_SHARE, defaults, resolve_device
 from .loader import DEFAULT_MODEL, default_weights, load_model, load_tokenizer
 from .methods import METHODS, draft_elements_per_token
@@ -50,8 +50,10 @@ class RunStats:
 class Round:
     """What one LLM.step did."""
     finished: list[Sequence]   # sequences that finished in it (retired)
-    prefill: bool = False      # it prefilled newly admitted requests (else it decoded the running batch)
-    depth: int = 0             # levels it drafted (0: a plain decode step, or a prefill)
+    depth: int = 0             # levels its decoding round drafted (0: a plain decode step, or none)
+    lengths: list[int] = field(default_factory=list)  # tokens each decoded sequence kept (none: no decoding)
+    decode_s: float = 0.0      # the decoding round's seconds
+    prefilled: int = 0         # prompt tokens it prefilled
 
 
 class LLM:
@@ -59,13 +61,16 @@ class LLM:
     weights for benchmarks, tests; no tokenizer then); device: "auto" (cuda when a GPU is visible), "cpu" or
     "cuda"; dtype, kv_cache_gb and cuda_graphs default to the device's (engine/device.py); weights:
     engine.loader.WEIGHTS (None: dense for float32, else auto: a GGUF's blocks stay quantized on the CPU);
-    prefix_cache: reuse the KV of prompt prefixes earlier requests computed (engine/block_manager.py)."""
+    prefix_cache: reuse the KV of prompt prefixes earlier requests computed (engine/block_manager.py);
+    prefill_chunk: the most prompt tokens a step prefills (None: the device's default; 0: every admitted prompt
+    whole in one step, unpaced); on a CPU, while streams decode, fewer: as many as take about the decoding
+    round's time (adaptive.PrefillPacer)."""
 
     def __init__(self, model: str | Llama = DEFAULT_MODEL, dtype: str | None = None, device: str = "auto",
                  kv_cache_gb: float | None = None, block_size: int = 16, max_batch: int = 16, seed: int = 0,
                  method: str = "vanilla", method_args: dict | None = None, threads: int | None = None,
                  cuda_graphs: bool | None = None, timing: bool = False, weights: str | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, prefill_chunk: int | None = None):
         self.device = resolve_device(device)
         preset = defaults(self.device)
         dtype = dtype or preset.dtype
@@ -73,6 +78,8 @@ class LLM:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        if prefill_chunk is not None and prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
         if threads:
             torch.set_num_threads(threads)
         if isinstance(model, Llama):
@@ -95,6 +102,8 @@ class LLM:
         self.sampler = Sampler(seed, self.device, self.runner, tuple(sorted(eos)))
         self.scheduler = Scheduler(num_blocks, block_size, max_batch, self.cfg.max_position, tuple(eos),
                                    vocab_size=self.cfg.vocab_size, prefix_cache=prefix_cache)
+        prefill_chunk = preset.prefill_chunk if prefill_chunk is None else prefill_chunk
+        self.pacer = PrefillPacer(prefill_chunk or None, preset.prefill_share if prefill_chunk else None)
         self.timing = timing
         self.policies = {}  # adaptive policies (engine/adaptive.py) by method arguments, kept across set_method
         self.policy: SpeculationPolicy | None = None  # the current decoder's, when it is adaptive
@@ -156,42 +165,63 @@ class LLM:
 
     @torch.inference_mode()
     def step(self, stats: RunStats, on_tokens: Callable[[Sequence, list[int]], None] | None = None) -> Round:
-        """One round: prefill newly admitted requests, else one decoding round of the running batch.
-        `on_tokens(seq, kept)` sees each sequence's new tokens before finished ones retire (it may finish a
-        sequence itself, e.g. on a stop string)."""
-        admitted = self.scheduler.admit()
-        t0 = time.perf_counter()
-        if admitted:
-            self.scheduler.prepare(admitted, prefill=True)
-            verdict = self.decoder.prefill(admitted)
-            batch = admitted
-            stats.prefill_s += time.perf_counter() - t0
-            stats.prompt_tokens += sum(len(s.prompt_ids) for s in admitted)
-            stats.cached_tokens += sum(s.cached_tokens for s in admitted)
-        else:
-            batch = [s for s in self.scheduler.running if not s.finished]
-            self.scheduler.prepare(batch, prefill=False)
+        """One round: a decoding round of the sequences whose prompts are in, then the next chunk of the
+        prompts still prefilling (admitted ones first join them). `on_tokens(seq, kept)` sees each sequence's
+        new tokens before finished ones retire (it may finish a sequence itself, e.g. on a stop string)."""
+        done = Round([])
+        batch = self.scheduler.decoding()
+        if batch:
+            t0 = time.perf_counter()
+            self.scheduler.prepare(batch)
             planned = self.policy.choose(len(batch)) if self.policy else self.decoder.max_depth
             built = len(self.decoder.graphs)
             verdict = self.decoder.step(batch, planned)
-            seconds = time.perf_counter() - t0
+            done.decode_s = time.perf_counter() - t0
             if self.policy:
                 # A round that built a step shape is no sample: graph capture and compilation on a GPU,
                 # first-use allocations and the head's fused weights on a CPU (~1.5x a steady round, enough
                 # to rule a depth out).
-                self._observe(batch, planned, verdict, None if len(self.decoder.graphs) > built else seconds)
-            stats.decode_s += seconds
+                self._observe(batch, planned, verdict, None if len(self.decoder.graphs) > built else done.decode_s)
+            stats.decode_s += done.decode_s
             stats.steps += 1
-        for seq, prompt in zip(batch, verdict.prompt_logprobs or ()):
-            if prompt is not None:
-                seq.prompt_logprobs = prompt
+            done.depth = verdict.depth
+            done.lengths = self._commit(batch, verdict, stats, on_tokens)
+            done.finished = self.scheduler.retire_finished()  # their room goes to the admission below
+        admitted = self.scheduler.admit()
+        stats.prompt_tokens += sum(len(s.prompt_ids) for s in admitted)
+        stats.cached_tokens += sum(s.cached_tokens for s in admitted)
+        chunks = self.scheduler.chunks(self.pacer.budget(done.decode_s))
+        if chunks:
+            t0 = time.perf_counter()
+            seqs, counts = [s for s, _ in chunks], [n for _, n in chunks]
+            self.scheduler.prepare(seqs, counts)
+            verdict = self.decoder.prefill(seqs, counts)
+            seconds = time.perf_counter() - t0
+            self.pacer.observe(sum(counts), seconds)
+            stats.prefill_s += seconds
+            for seq, n, prompt in zip(seqs, counts, verdict.prompt_logprobs or [None] * len(seqs)):
+                if prompt is not None:
+                    seq.prompt_logprobs += prompt
+                self.scheduler.advance(seq, n)
+            first = [b for b, t in enumerate(verdict.new_tokens) if t]
+            self._commit([seqs[b] for b in first], Verdict([verdict.new_tokens[b] for b in first],
+                         logprobs=verdict.logprobs and [verdict.logprobs[b] for b in first]), stats, on_tokens)
+            done.prefilled = sum(counts)
+        done.finished += self.scheduler.retire_finished()
+        return done
+
+    def _commit(self, batch: list[Sequence], verdict: Verdict, stats: RunStats,
+                on_tokens: Callable[[Sequence, list[int]], None] | None) -> list[int]:
+        """Apply a verdict's tokens (and logprobs) to its sequences. -> the tokens each kept."""
+        lengths = []
         logprobs = verdict.logprobs or [None] * len(batch)
         for seq, toks, lps in zip(batch, verdict.new_tokens, logprobs):
             kept = self.scheduler.commit(seq, toks, lps)
             stats.new_tokens += len(kept)
+            lengths.append(len(kept))
             if on_tokens and kept:
                 on_tokens(seq, kept)
-        return Round(self.scheduler.retire_finished(), bool(admitted), verdict.depth)
+        return lengths
 
     def _observe(self, batch: list[Sequence], planned: int, verdict, seconds: float | None):
         """The policy learns from a round as the depth it chose (confidence cuts included: its time and

@@ -47,6 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser, max_batch: int):
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="recompute every prompt instead of reusing cached prefixes' KV")
     p.add_argument("--max-batch", type=int, default=max_batch, help="most sequences in the running batch")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="most prompt tokens a step prefills beside the running streams' decoding (default 256 on "
+                        "a CPU, 2048 on a GPU; 0: every admitted prompt whole in one step)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     for flag, kw in METHOD_FLAGS:
         p.add_argument(flag, **kw)
@@ -59,7 +62,7 @@ def build_llm(args) -> LLM:
                kv_cache_gb=args.kv_cache_gb, block_size=args.block_size, max_batch=args.max_batch,
                seed=args.seed, method=args.method or default_method(), weights=args.weights,
                method_args={k: v for k, v in method_args.items() if v is not None}, threads=args.threads,
-               prefix_cache=args.prefix_cache)
+               prefix_cache=args.prefix_cache, prefill_chunk=args.prefill_chunk)
 
 
 # Flags the speculative methods read from `method_args` (unset ones keep each method's default).

@@ -5,6 +5,11 @@ speculative lookahead) so a running sequence can never hit an exhausted pool mid
 allocated lazily: before a step, room for what the step writes (`prepare`); after it, the verdict is
 applied (`commit`): tokens appended, stop conditions checked, the cache cut back to what was accepted.
 
+Chunked prefill: an admitted request's prompt enters the cache in chunks, a step's token budget over all
+requests (first come, first served; engine/adaptive.py's PrefillPacer sets it), so a burst of long prompts
+shares each step with the running streams' decoding instead of stalling them (`chunks`, `advance`). A
+request decodes once its whole prompt is in.
+
 Cache invariant between steps: a sequence's cache holds every token but the last (`cached_len`); the last
 token is the next step's input (vanilla) or the root of the next draft tree (speculative methods).
 """
@@ -94,6 +99,8 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per prompt token (the first: None)
     finish_reason: str | None = None   # "stop" (EOS, or a stop string seen by the caller), "length", "abort"
     cached_tokens: int = 0             # prompt tokens whose KV came from the prefix cache (not prefilled)
+    prefilled: int = 0                 # prompt tokens in the cache (cached or computed) while prefilling
+    prompt_keys: list[bytes] = field(default_factory=list)  # prefix keys of the prompt's blocks (caching)
     block_keys: list[bytes] = field(default_factory=list)  # prefix keys of its blocks registered so far
     # What a running sequence carries for the engine, dropped when it retires: the decoding method's draft
     # state (EAGLE's head cursor, SpS's next draft logits) and, with params.seed, its random generator.
@@ -108,10 +115,21 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def prefilling(self) -> bool:
+        """It has no output token yet: its prompt is (partly) not in the cache, or its first token is not
+        decided yet."""
+        return not self.output_ids
+
 
 def cached_len(seq: Sequence) -> int:
     """Tokens of `seq` in the KV cache between steps (all but the last)."""
     return len(seq.prompt_ids) + len(seq.output_ids) - 1
+
+
+def final_len(seq: Sequence) -> int:
+    """Tokens whose KV is final: cached_len once decoding, the prefilled prompt before."""
+    return cached_len(seq) if seq.output_ids else seq.prefilled
 
 
 class Scheduler:
@@ -151,21 +169,23 @@ class Scheduler:
 
     def admit(self) -> list[Sequence]:
         """Move waiting requests into the running batch while their worst case fits; returns them. A
-        request whose next uncached prefix block one admitted now will compute (the n choices of a request,
-        repeated prompts) waits a step, to share it once computed."""
-        admitted, computing = [], set()  # prefix keys of the blocks this admission's prefills compute
-        while self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting[0]
+        request whose next uncached prefix block a running prefill will compute (the n choices of a request,
+        repeated prompts) waits, to share it once computed."""
+        admitted = []
+        computing = {k for s in self.running if s.prefilling for k in s.prompt_keys[len(s.block_keys):]}
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_batch:
+                break
             need = self._worst_case_blocks(seq)
             if sum(self._reserved.values()) + need > self.blocks.num_blocks:
-                break
-            keys = []
-            if self.prefix_cache and seq.params.prompt_logprobs is None:  # those need every prompt row
-                keys = prefix_keys(seq.prompt_ids, self.blocks.block_size)
+                break  # first come, first served: no later request takes the room it waits for
+            keys = seq.prompt_keys
+            if not keys and self.prefix_cache and seq.params.prompt_logprobs is None:  # those need every row
+                keys = seq.prompt_keys = prefix_keys(seq.prompt_ids, self.blocks.block_size)
             hit = next((i for i, k in enumerate(keys) if k not in self.blocks.by_key), len(keys))
             if hit < len(keys) and keys[hit] in computing:
-                break
-            self.waiting.pop(0)
+                continue
+            self.waiting.remove(seq)
             self._reserved[seq.seq_id] = need
             self.running.append(seq)
             admitted.append(seq)
@@ -173,14 +193,45 @@ class Scheduler:
                 seq.cached_tokens = self.blocks.share(seq.seq_id, keys)
                 seq.block_keys = keys[:seq.cached_tokens // self.blocks.block_size]
                 computing.update(keys[hit:])
+            seq.prefilled = seq.cached_tokens
         return admitted
 
-    def prepare(self, seqs: list[Sequence], prefill: bool):
-        """Room in each table for what the step writes: the prompt (prefill) or the cached tokens, plus the
-        decoder's lookahead (positions a step may write past them: 1 for vanilla)."""
-        for seq in seqs:
-            n = len(seq.prompt_ids) if prefill else cached_len(seq)
-            self.blocks.reserve(seq.seq_id, n + self.lookahead)
+    def chunks(self, budget: int | None = None) -> list[tuple[Sequence, int]]:
+        """This step's prefill: (sequence, prompt tokens) for the running sequences still prefilling, first
+        come first served, at most `budget` tokens in all (None: every prompt whole)."""
+        out = []
+        for seq in self.running:
+            if seq.prefilling and seq.prefilled < len(seq.prompt_ids) and not seq.finished:
+                n = len(seq.prompt_ids) - seq.prefilled
+                if budget is not None:
+                    n = min(n, budget)
+                    budget -= n
+                out.append((seq, n))
+                if budget == 0:
+                    break
+        return out
+
+    def decoding(self) -> list[Sequence]:
+        """The running sequences a decoding round advances (prompt wholly in the cache, not finished)."""
+        return [s for s in self.running if not s.finished and not s.prefilling]
+
+    def prepare(self, seqs: list[Sequence], counts: list[int] | None = None):
+        """Room in each table for what the step writes: `counts` prompt tokens after the prefilled ones
+        (prefill), or the cached tokens; plus the decoder's lookahead (positions a step may write past them: 1
+        for vanilla) where the step then samples."""
+        for b, seq in enumerate(seqs):
+            if counts is None:
+                self.blocks.reserve(seq.seq_id, cached_len(seq) + self.lookahead)
+            else:
+                end = seq.prefilled + counts[b]
+                self.blocks.reserve(seq.seq_id, end + (self.lookahead if end == len(seq.prompt_ids) else 0))
+
+    def advance(self, seq: Sequence, n: int):
+        """n more prompt tokens of a prefilling sequence are in the cache (its prefill's first token comes
+        through `commit`)."""
+        seq.prefilled += n
+        if self.prefix_cache:
+            self._register(seq)
 
     def commit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """Apply a step's verdict: append its tokens (up to a stop) and their logprobs, if asked for, and cut
@@ -197,12 +248,14 @@ class Scheduler:
         return kept
 
     def _register(self, seq: Sequence):
-        """Offer the sequence's newly full blocks to the prefix cache: those wholly below its cached tokens
-        (their KV final), each keyed with the token after it."""
+        """Offer the sequence's newly full blocks to the prefix cache: those wholly below its final tokens,
+        each keyed with the token after it."""
         bs, have = self.blocks.block_size, len(seq.block_keys)
-        full = cached_len(seq) // bs
+        full = min(final_len(seq), len(seq.all_ids) - 1) // bs
         if full > have:
-            new = prefix_keys(seq.all_ids, bs, seq.block_keys[-1] if have else b"", have, full - have)
+            new = seq.prompt_keys[have:full]
+            if len(new) < full - have:
+                new = prefix_keys(seq.all_ids, bs, seq.block_keys[-1] if have else b"", have, full - have)
             self.blocks.register(seq.seq_id, have, new)
             seq.block_keys += new
 

@@ -180,11 +180,9 @@ class AsyncEngine:
                                   len(self.llm.scheduler.running), *self.kv_blocks())
 
     def _round(self):
-        t0 = time.perf_counter()
-        batch: list[tuple[Sequence, int]] = []
-        done = self.llm.step(self.stats, lambda seq, kept: batch.append((seq, len(kept))) or self._on_tokens(seq))
-        if not done.prefill:
-            self.metrics.round(self.method, done.depth, [n for _, n in batch], time.perf_counter() - t0)
+        done = self.llm.step(self.stats, lambda seq, kept: self._on_tokens(seq))
+        if done.lengths:
+            self.metrics.round(self.method, done.depth, done.lengths, done.decode_s)
         for seq in done.finished:
             req = self.active.get(seq.seq_id)
             if req is not None:

@@ -117,10 +117,10 @@ class EagleDecoder(SpeculativeDecoder):
     def verify_widths(self) -> list[int]:
         return verify_tokens(self.tree)
 
-    def prefill(self, seqs: list[Sequence]) -> Verdict:
+    def prefill(self, seqs: list[Sequence], counts: list[int]) -> Verdict:
         for s in seqs:
-            s.draft_state = HeadCursor()
-        return self.prefill_target(seqs)
+            s.draft_state = s.draft_state or HeadCursor()
+        return self.prefill_target(seqs, counts)
 
     def draft(self, seqs: list[Sequence], depth: int, caps: list[int]) -> Draft:
         head, tree_policy, runner = self.head, self.tree, self.runner

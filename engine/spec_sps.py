@@ -68,9 +68,13 @@ class SpSDecoder(SpeculativeDecoder):
         self.max_tree = k + 1
         self.max_depth = k
 
-    def prefill(self, seqs: list[Sequence]) -> Verdict:
-        first = self.prefill_target(seqs)
-        self._feed(seqs, [0] * len(seqs), [s.prompt_ids + t for s, t in zip(seqs, first.new_tokens)])
+    def prefill(self, seqs: list[Sequence], counts: list[int]) -> Verdict:
+        """The target's chunk, then the draft's over the same tokens (the whole cached prefix with the first
+        chunk: the draft has its own cache) and the first token where the prompt is complete."""
+        starts = [0 if s.prefilled == s.cached_tokens else s.prefilled for s in seqs]
+        ends = [s.prefilled + n for s, n in zip(seqs, counts)]
+        first = self.prefill_target(seqs, counts)
+        self._feed(seqs, starts, [s.prompt_ids[a:e] + t for s, a, e, t in zip(seqs, starts, ends, first.new_tokens)])
         return first
 
     def draft(self, seqs: list[Sequence], depth: int, caps: list[int]) -> Draft:

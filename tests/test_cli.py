@@ -19,6 +19,7 @@ def run_cli(*args, timeout=300):
     (["--top-p", "1.5", "hi"], "top_p must be in (0, 1]"),
     (["--top-p", "0", "hi"], "top_p must be in (0, 1]"),
     ([], "no prompt given"),
+    (["--prefill-chunk", "-3", "hi"], "prefill_chunk must be >= 0"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, message):
     r = run_cli(*args)
@@ -52,3 +53,8 @@ def test_device_cuda_without_a_gpu_is_a_one_line_error(capsys):
 def test_prefix_cache_flag():
     from engine.run import parse_args
     assert parse_args(["hi"]).prefix_cache is True and parse_args(["--no-prefix-cache", "hi"]).prefix_cache is False
+
+
+def test_prefill_chunk_flag():
+    from engine.run import parse_args
+    assert parse_args(["hi"]).prefill_chunk is None and parse_args(["--prefill-chunk", "64", "hi"]).prefill_chunk == 64

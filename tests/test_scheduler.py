@@ -63,11 +63,11 @@ def test_prepare_reserves_the_lookahead_and_commit_cuts_back_to_the_cache_invari
     seq = Sequence([1, 2, 3], SamplingParams(max_new_tokens=10, ignore_eos=True))
     s.add(seq)
     s.admit()
-    s.prepare([seq], prefill=True)
+    s.prepare([seq], [len(seq.prompt_ids)])
     assert s.blocks.length(seq.seq_id) == 3 + 5
     s.commit(seq, [7])
     assert s.blocks.length(seq.seq_id) == cached_len(seq) == 3 and s.blocks.num_free == 7
-    s.prepare([seq], prefill=False)
+    s.prepare([seq])
     assert s.blocks.length(seq.seq_id) == 3 + 5 and s.blocks.num_free == 6
     assert s.commit(seq, [8, 9, 10]) == [8, 9, 10]
     assert s.blocks.length(seq.seq_id) == cached_len(seq) == 6 and s.blocks.num_free == 6

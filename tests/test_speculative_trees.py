@@ -162,7 +162,7 @@ def test_verify_keeps_exactly_the_accepted_paths_kv():
     tree = Tree(torch.tensor(tokens), torch.tensor([[-1, 0, 0, 2, 2, 4]] * 2, dtype=torch.int32),
                 torch.tensor([[0, 1, 1, 2, 2, 3]] * 2, dtype=torch.int32), torch.zeros(2, 6),
                 torch.tensor([6, 6], dtype=torch.int32))
-    sched.prepare(seqs, prefill=False)
+    sched.prepare(seqs)
     summary, logprobs = decoder.verify(seqs, tree)                          # [B, 2N + 2]
     assert summary[:, 2:6].tolist() == [[0, 2, 4, 5]] * 2 and logprobs is None  # the accepted path, root first
     v = decoder.read(seqs, summary, logprobs, Draft(tree, 3))
