@@ -156,8 +156,8 @@ class EagleDecoder(SpeculativeDecoder):
         starts = [cached_len(s) - 1 for s in seqs]
         tokens = runner.to_device([s.all_ids[-1] for s in seqs])
         levels = depth
-        for d, (tree, front) in enumerate(self._levels(tokens, root_hidden, root_out, depth,
-                                                       lambda fed, hidden: self._forward(seqs, starts, fed, hidden)), 1):
+        forward = lambda fed, hidden: self._forward(seqs, starts, fed, hidden)  # noqa: E731
+        for d, (tree, front) in enumerate(self._levels(tokens, root_hidden, root_out, depth, forward), 1):
             if floor is not None and d < depth and tree.scores.gather(1, front).max().item() < floor:
                 levels = d  # no path worth a deeper level (a host read: min_prob is for the CPU)
                 break
@@ -205,7 +205,8 @@ class EagleDecoder(SpeculativeDecoder):
         Bp = runner.batch_rows(B)
         n = sum(self.tree.frontier_sizes()[:depth])
         plan = self.plan(seqs, [cached_len(s) - 1 for s in seqs], [n] * B).padded(Bp)
-        g = runner.graph(self.graphs, ("draft_tree", Bp, depth), plan, functools.partial(self._draft_tree_fn, depth), {
+        fn = functools.partial(self._draft_tree_fn, depth)
+        g = runner.graph(self.graphs, ("draft_tree", Bp, depth), plan, fn, {
             "tokens": ((Bp,), torch.int64), "caps": ((Bp,), torch.int64),
             "hidden": ((Bp, H), root_hidden.dtype), "out": ((Bp, H), root_out.dtype)})
         ints = runner.to_device([s.all_ids[-1] for s in seqs] + caps)                       # [2B]
@@ -221,8 +222,7 @@ class EagleDecoder(SpeculativeDecoder):
             meta = AttnMeta(slots[:, :m].flatten(), g.meta.block_tables, cu, g.meta.prefix_lens, fed.mask())
             return self._head_over(fed.tokens, hidden, fed.depths, meta).view(Bp, m, -1)
 
-        for tree, _ in self._levels(g.inputs["tokens"], g.inputs["hidden"], g.inputs["out"], depth, forward):
-            pass
+        *_, (tree, _) = self._levels(g.inputs["tokens"], g.inputs["hidden"], g.inputs["out"], depth, forward)
         # Always selected (shapes fixed): where _draft_levels skips it, select keeps every node as it was.
         return tree.select(self.tree.verify_tokens - 1, g.inputs["caps"])
 
