@@ -9,6 +9,9 @@ Speculative methods fill in `draft` and `catch_up`; the round is always:
 
     draft (device) -> verify (device) -> one device-to-host copy -> catch up (draft caches) -> record
 
+On a GPU, draft and verify are each one CUDA graph replay where the method can (EAGLE's trees; greedy
+verification), so a round is a few replays and the one copy.
+
 What a decoder keeps per sequence between rounds lives on the sequence (`Sequence.draft_state`), and what
 a round decided travels in its return values, never on the decoder.
 
@@ -23,6 +26,7 @@ positions on the device, and leaves the truncation to the scheduler.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -193,6 +197,7 @@ class SpeculativeDecoder(Decoder):
     `catch_up(seqs, verdict)`: bring the draft's own state up to the accepted tokens."""
     causal = False    # drafts are chains: causal masking is the ancestor mask
     max_tree = 0      # the most tokens a round verifies per sequence (the random draws a round takes)
+    fused = True      # draft and verify each as one step where they can; False: the step-by-step references
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, blocks, timing: bool = False):
         super().__init__(runner, sampler, blocks)
@@ -229,7 +234,15 @@ class SpeculativeDecoder(Decoder):
     def verify(self, seqs: list[Sequence], tree: Tree, draft_probs=None) -> torch.Tensor:
         """Run the target once over every tree (root + drafts), accept the longest lossless path and move
         its KV (and what `store` keeps) to consecutive positions. Device only. -> summary int64 [B, 2N + 2]
-        (accepted length, next token, path, tokens on it), and the new tokens' logprob_rows (or None)."""
+        (accepted length, next token, path, tokens on it), and the new tokens' logprob_rows (or None).
+
+        A batch of greedy rows without logit transforms or logprobs is verified in one fixed-shape step
+        (_verify_greedy: a graph replay on a GPU). Otherwise the target forward is a step of its own and the
+        rest runs eagerly after it: the transforms and sampled rows plan on the host (their parameters, the
+        rows that ask), and logprobs need the logits out of the step."""
+        if self.fused and all(s.params.greedy and s.params.logprobs is None for s in seqs) \
+                and not self.sampler.transforms(seqs):
+            return self._verify_greedy(seqs, tree), None
         B, N = tree.tokens.shape
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [N] * B)
         Bp = self.runner.batch_rows(B)
@@ -246,23 +259,56 @@ class SpeculativeDecoder(Decoder):
         path, length, nxt = self.accept(seqs, tree, logits, draft_probs)
         if not self.causal:  # a chain's accepted path is its prefix, already in place
             self.keep_path(g.meta.slot_mapping.view(Bp, N)[:B], path)
-        on_path = tree.tokens.gather(1, path.clamp(min=0).long())
-        summary = torch.cat([length[:, None].long(), nxt[:, None], path.long(), on_path], 1)  # [B, 2N + 2]
+        summary = self.summary(tree.tokens, path, length, nxt)
         logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             # new token j is predicted at path node j: the next accepted draft, or at j = length the bonus
+            on_path = summary[:, N + 2:]
             new = torch.cat([on_path[:, 1:], on_path[:, :1]], 1).scatter(1, length[:, None].long(), nxt[:, None])
             at = path.clamp(min=0).long()[..., None].expand(-1, -1, logits.shape[-1])
             logprobs = self.logprob_rows(seqs, logits.gather(1, at), new)
         return summary, logprobs
 
+    def _verify_greedy(self, seqs: list[Sequence], tree: Tree) -> torch.Tensor:
+        """verify's greedy case as one step, the StepGraph ("verify_greedy", Bp, N): target forward, tree
+        mask, acceptance, KV move and summary over the static trees (rows no tree fills: one-node trees).
+        -> summary int64 [B, 2N + 2]."""
+        B, N = tree.tokens.shape
+        Bp = self.runner.batch_rows(B)
+        plan = self.plan(seqs, [cached_len(s) for s in seqs], [N] * B).padded(Bp)
+        g = self.runner.graph(self.graphs, ("verify_greedy", Bp, N), plan, self._verify_greedy_fn, {
+            "ids": ((Bp, N), torch.int64), "depths": ((Bp, N), torch.int32),
+            "parents": ((Bp, N), torch.int32, -1), "sizes": ((Bp,), torch.int32, 1)})
+        return g.run(plan, ids=tree.tokens, depths=tree.depths, parents=tree.parents, sizes=tree.sizes)[:B]
+
+    def _verify_greedy_fn(self, g):
+        ids, parents, sizes = g.inputs["ids"], g.inputs["parents"], g.inputs["sizes"]
+        Bp, N = ids.shape
+        tree = Tree(ids, parents, g.inputs["depths"], None, sizes)
+        meta = g.meta if self.causal else dataclasses.replace(g.meta, tree_mask=tree.mask())
+        logits = self._target_over(ids, tree.depths, meta).view(Bp, N, -1)                  # [Bp, N, V]
+        path, length, nxt = eagle_kernels.tree_accept_greedy(parents, ids, sizes, argmax(logits))
+        if not self.causal:
+            self.keep_path(meta.slot_mapping.view(Bp, N), path)
+        return self.summary(ids, path, length, nxt)
+
     def _verify_fn(self, g):
-        Bp, N = g.inputs["ids"].shape
-        rope = g.meta.prefix_lens[:, None] + g.inputs["depths"]                              # [Bp, N]
-        feature, captured = self.model(g.inputs["ids"].flatten(), rope.flatten(), self.runner.layers, g.meta,
+        return self._target_over(g.inputs["ids"], g.inputs["depths"], g.meta)
+
+    def _target_over(self, ids, depths, meta):
+        """The target over the trees ids, depths [B, N] (what `store` keeps written) -> logits [B * N, V]."""
+        rope = meta.prefix_lens[:, None] + depths                                           # [B, N]
+        feature, captured = self.model(ids.flatten(), rope.flatten(), self.runner.layers, meta,
                                        self.capture, self.capture_into)
-        self.store(g.meta.slot_mapping, feature, captured)
+        self.store(meta.slot_mapping, feature, captured)
         return self.model.logits(feature)
+
+    @staticmethod
+    def summary(tokens, path, length, nxt) -> torch.Tensor:
+        """What read copies to the host: int64 [B, 2N + 2] = accepted length, next token, path (node ids,
+        -1 padded), the tokens on it. tokens int64 [B, N]; path int32 [B, N]; length int32 [B]; nxt int64 [B]."""
+        on_path = tokens.gather(1, path.clamp(min=0).long())
+        return torch.cat([length[:, None].long(), nxt[:, None], path.long(), on_path], 1)
 
     def accept(self, seqs, tree: Tree, logits, draft_probs):
         """Greedy rows accept while the draft equals the target's argmax; sampled rows by tree rejection

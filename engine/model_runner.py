@@ -141,7 +141,8 @@ class ModelRunner:
               host_ids: bool = False) -> "StepGraph":
         """The StepGraph of `key` in `graphs` (the caller's: graphs live and die with the decoder whose `fn`
         they run), built on first use: static metadata for plan's shape and static `inputs` (name ->
-        (shape, dtype)); `fn(graph)` computes the outputs from graph.meta and graph.inputs."""
+        (shape, dtype) or (shape, dtype, fill): what rows no caller fills hold, 0 by default); `fn(graph)`
+        computes the outputs from graph.meta and graph.inputs."""
         g = graphs.get(key)
         if g is None:
             g = graphs[key] = StepGraph(self, plan, fn, inputs, host_ids)
@@ -194,8 +195,8 @@ class StepGraph:
         self.meta, self.positions, self.ids = runner._views(self.buf, plan, with_ids=host_ids)
         self.slots = self.meta.slot_mapping                  # int32 view of buf; widened by run()
         self.meta.slot_mapping = torch.zeros(self.slots.shape, dtype=torch.int64, device=runner.device)
-        self.inputs = {k: torch.zeros(shape, dtype=dtype, device=runner.device) for k, (shape, dtype) in
-                       inputs.items()}
+        self.inputs = {k: torch.full(spec[0], spec[2] if len(spec) > 2 else 0, dtype=spec[1], device=runner.device)
+                       for k, spec in inputs.items()}
         if "tree_mask" in self.inputs:  # rows no caller fills (padded sequences) see themselves
             mask = self.inputs["tree_mask"]
             n = mask.shape[0] // len(plan.counts)

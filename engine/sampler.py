@@ -40,6 +40,10 @@ class Sampler:
         return eagle_kernels.sampling_probs(logits, [p.temperature for p in params], [p.top_k for p in params],
                                             [p.top_p for p in params])
 
+    def transforms(self, seqs: list[Sequence]) -> bool:
+        """Whether `adjust` changes any row's logits (where it does not, a verify step may skip it)."""
+        return any(s.params.transforms for s in seqs)
+
     def adjust(self, logits: torch.Tensor, seqs: list[Sequence], tree=None) -> torch.Tensor:
         """The requests' logit transforms (SamplingParams: presence / frequency / repetition penalties,
         logit_bias, min_tokens), applied before sampling, greedy argmax and logprobs alike, as vanilla and

@@ -14,6 +14,9 @@ to its end never runs the head. A round:
    feeds the drafted history - the root pair again and every frontier expanded so far, with its ancestor
    mask - and expands the newest frontier (trees.py policies). Drafts are re-fed, not cached: paged
    attention lets new tokens see every cached token, so a cached draft would be visible to its cousins.
+   The policy fixes each level's frontier, so every shape is known from (batch, depth): after the feed, the
+   levels and the selection run as one fixed-shape step (_draft_tree, a graph replay on a GPU); min_prob,
+   which reads the scores between levels, drafts one step a level (_draft_levels).
 2. verify (decoding.SpeculativeDecoder.verify): root + tree in one target forward, lossless acceptance.
 3. catch up: nothing to do; the accepted path's rows are in `features` and the next round feeds them.
 
@@ -23,6 +26,7 @@ hold: `verify_tokens`).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -35,7 +39,7 @@ import eagle_kernels
 
 from .decoding import Draft, SpeculativeDecoder, Verdict
 from .heads import DraftHead, detect_kind, load_head, new_head, quantize_like_target
-from .model import Llama
+from .model import AttnMeta, Llama
 from .model_runner import kv_layers
 from .scheduler import Sequence, cached_len
 from .trees import Tree
@@ -136,26 +140,24 @@ class EagleDecoder(SpeculativeDecoder):
                 tree = self._draft_chain(seqs, depth, caps)
             return Draft(tree, tree.num_nodes - 1, backlog_s=backlog_s)
         self._feed_pending(seqs)
-        B = len(seqs)
-        floor = math.log(tree_policy.min_prob) if tree_policy.min_prob else None
-        tree = Tree.roots(runner.to_device([s.all_ids[-1] for s in seqs]))
         cursors = [s.draft_state for s in seqs]
         root_hidden = torch.stack([c.root[0] for c in cursors])                            # [B, H]
-        out = torch.stack([c.root[1] for c in cursors])[:, None]                            # [B, 1, H]
-        front = torch.zeros(B, 1, dtype=torch.int64, device=out.device)                     # node ids
-        history = front
+        root_out = torch.stack([c.root[1] for c in cursors])                                # [B, H]
+        if not tree_policy.min_prob and self.fused:
+            return Draft(self._draft_tree(seqs, depth, caps, root_hidden, root_out), depth, backlog_s=backlog_s)
+        return self._draft_levels(seqs, depth, caps, root_hidden, root_out, backlog_s)
+
+    def _draft_levels(self, seqs, depth: int, caps: list[int], root_hidden, root_out, backlog_s: float) -> Draft:
+        """The tree drafted one step a level (each level's head forward its own StepGraph, the bookkeeping
+        between them eager): the reference _draft_tree matches bit for bit, and the path of min_prob, whose
+        confidence cut reads the scores on the host between levels."""
+        tree_policy, runner = self.tree, self.runner
+        floor = math.log(tree_policy.min_prob) if tree_policy.min_prob else None
         starts = [cached_len(s) - 1 for s in seqs]
+        tokens = runner.to_device([s.all_ids[-1] for s in seqs])
         levels = depth
-        for d in range(1, depth + 1):
-            if d > 1:
-                fed = tree.subtree(history)                                                 # [B, n]
-                parent = fed.parents.long()
-                hidden = torch.where((parent < 0)[..., None], root_hidden[:, None],
-                                     out.gather(1, parent.clamp(min=0)[..., None].expand(-1, -1, out.shape[-1])))
-                out = self._forward(seqs, starts, fed, hidden)                               # [B, n, H]
-            F = front.shape[1]
-            tree, front = tree_policy.expand(tree, head.logits(out[:, -F:]), front, d, head.d2t)
-            history = torch.cat([history, front], 1)
+        forward = lambda fed, hidden: self._forward(seqs, starts, fed, hidden)  # noqa: E731
+        for d, (tree, front) in enumerate(self._levels(tokens, root_hidden, root_out, depth, forward), 1):
             if floor is not None and d < depth and tree.scores.gather(1, front).max().item() < floor:
                 levels = d  # no path worth a deeper level (a host read: min_prob is for the CPU)
                 break
@@ -168,6 +170,61 @@ class EagleDecoder(SpeculativeDecoder):
         # sampled sequence draws the same way whatever its companions drafted.
         tree = tree.select(budget, runner.to_device(caps), floor)
         return Draft(tree.prefix(int(tree.sizes.max())), levels, backlog_s=backlog_s)
+
+    def _levels(self, tokens, root_hidden, root_out, depth: int, forward):
+        """The tree draft, level by level: yields (tree, its newest frontier's node ids [B, F]) after each
+        level d = 1 .. depth. tokens int64 [B] (the roots), root_hidden / root_out [B, H] (the root pair's input
+        hidden and head output); forward(fed, hidden) runs the head over the drafted history (fed: a Tree
+        [B, n], the root pair and every frontier expanded so far; hidden [B, n, H]) -> outputs [B, n, H].
+        Level d's history is sum(frontier_sizes()[:d]) nodes: every shape is fixed by (B, d)."""
+        head, policy = self.head, self.tree
+        tree = Tree.roots(tokens)
+        out = root_out[:, None]                                                              # [B, 1, H]
+        front = torch.zeros(tokens.shape[0], 1, dtype=torch.int64, device=out.device)         # node ids
+        history = front
+        for d in range(1, depth + 1):
+            if d > 1:
+                fed = tree.subtree(history)                                                 # [B, n]
+                parent = fed.parents.long()
+                hidden = torch.where((parent < 0)[..., None], root_hidden[:, None],
+                                     out.gather(1, parent.clamp(min=0)[..., None].expand(-1, -1, out.shape[-1])))
+                out = forward(fed, hidden)                                                   # [B, n, H]
+            F = front.shape[1]
+            tree, front = policy.expand(tree, head.logits(out[:, -F:]), front, d, head.d2t)
+            history = torch.cat([history, front], 1)
+            yield tree, front
+
+    def _draft_tree(self, seqs, depth: int, caps: list[int], root_hidden, root_out) -> Tree:
+        """The whole tree draft of `depth` levels (every head forward, expansion, mask and the final
+        selection) as one fixed-shape step: the StepGraph ("draft_tree", Bp, depth), a CUDA graph replay on
+        a GPU. Its metadata is the plan of the deepest level's history (n = sum(frontier_sizes()[:depth])
+        nodes at L - 1 .., L the target's cached tokens); level d feeds the first n_d of them per sequence
+        (_draft_tree_fn). -> the selected trees [B, N]."""
+        runner = self.runner
+        B, H = root_hidden.shape
+        Bp = runner.batch_rows(B)
+        n = sum(self.tree.frontier_sizes()[:depth])
+        plan = self.plan(seqs, [cached_len(s) - 1 for s in seqs], [n] * B).padded(Bp)
+        fn = functools.partial(self._draft_tree_fn, depth)
+        g = runner.graph(self.graphs, ("draft_tree", Bp, depth), plan, fn, {
+            "tokens": ((Bp,), torch.int64), "caps": ((Bp,), torch.int64),
+            "hidden": ((Bp, H), root_hidden.dtype), "out": ((Bp, H), root_out.dtype)})
+        ints = runner.to_device([s.all_ids[-1] for s in seqs] + caps)                       # [2B]
+        return g.run(plan, tokens=ints[:B], caps=ints[B:], hidden=root_hidden, out=root_out).rows(B)
+
+    def _draft_tree_fn(self, depth: int, g) -> Tree:
+        Bp = g.inputs["tokens"].shape[0]
+        slots = g.meta.slot_mapping.view(Bp, -1)                                            # [Bp, n]
+
+        def forward(fed, hidden):  # level d's history: the first m of each sequence's n planned slots
+            m = fed.tokens.shape[1]
+            cu = torch.arange(0, (Bp + 1) * m, m, dtype=torch.int32, device=slots.device)   # [Bp + 1]
+            meta = AttnMeta(slots[:, :m].flatten(), g.meta.block_tables, cu, g.meta.prefix_lens, fed.mask())
+            return self._head_over(fed.tokens, hidden, fed.depths, meta).view(Bp, m, -1)
+
+        *_, (tree, _) = self._levels(g.inputs["tokens"], g.inputs["hidden"], g.inputs["out"], depth, forward)
+        # Always selected (shapes fixed): where _draft_levels skips it, select keeps every node as it was.
+        return tree.select(self.tree.verify_tokens - 1, g.inputs["caps"])
 
     def _draft_chain(self, seqs, depth: int, caps: list[int]) -> Tree:
         """Top-1 drafts, one head step a level over each sequence's newest node (the pair of the depth-d node
@@ -258,10 +315,13 @@ class EagleDecoder(SpeculativeDecoder):
         return out.view(Bp, n, -1)[:B]
 
     def _draft_fn(self, g):
-        # The pair of a depth-d node sits d positions after the root pair (at L - 1).
-        rope = g.meta.prefix_lens[:, None] + g.inputs["depths"]
-        return self.head(g.inputs["ids"].flatten(), g.inputs["hidden"].flatten(0, 1), rope.flatten(),
-                         self.head_layers[0], g.meta)
+        return self._head_over(g.inputs["ids"], g.inputs["hidden"], g.inputs["depths"], g.meta)
+
+    def _head_over(self, ids, hidden, depths, meta):
+        """The head over drafted nodes: ids, depths [B, n], hidden [B, n, H] -> out [B * n, H]. The pair of a
+        depth-d node sits d positions after the root pair (at L - 1, the plan's start)."""
+        rope = meta.prefix_lens[:, None] + depths
+        return self.head(ids.flatten(), hidden.flatten(0, 1), rope.flatten(), self.head_layers[0], meta)
 
     def catch_up(self, seqs: list[Sequence], v: Verdict):
         """The accepted rows are in `features` already (verify moved them); the next draft feeds them."""

@@ -95,6 +95,10 @@ class Tree:
         keep = torch.cat([root == 0, chosen < P], 1)
         return self.subtree(torch.cat([root, chosen.clamp(max=P - 1)], 1), keep)
 
+    def rows(self, n: int) -> "Tree":
+        """The first n trees."""
+        return Tree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n], self.sizes[:n])
+
     def prefix(self, n: int) -> "Tree":
         """The first n node columns (every tree's valid nodes must lie among them)."""
         return Tree(self.tokens[:, :n], self.parents[:, :n], self.depths[:, :n], self.scores[:, :n], self.sizes)
@@ -163,21 +167,27 @@ class StaticTree:
             self.levels.append([(front.index(p[:-1]), p[-1], p in parents_of)
                                 for p in paths if len(p) == d + 1])
         self.verify_tokens = len(paths) + 1
+        self._index = {}  # (depth, device) -> the level's index tensors, made once (a graph copies none in)
 
     def frontier_sizes(self) -> list[int]:
         return [1] + [sum(has for _, _, has in level) for level in self.levels[:-1]]
 
+    def _level_index(self, depth: int, device: torch.device):
+        """-> (parent rows [n], ranks [n], children's positions among them with children [n']), int64."""
+        key = (depth, device)
+        if key not in self._index:
+            level = self.levels[depth - 1]
+            self._index[key] = tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in (
+                [r for r, _, _ in level], [k for _, k, _ in level], [i for i, (_, _, has) in enumerate(level) if has]))
+        return self._index[key]
+
     def expand(self, tree: Tree, logits, front: torch.Tensor, depth: int, d2t=None):
-        level = self.levels[depth - 1]
-        dev = logits.device
-        rows = torch.tensor([r for r, _, _ in level], device=dev)
-        ranks = [k for _, k, _ in level]
-        k = min(max(ranks) + 1, logits.shape[-1])
-        ranks = torch.tensor(ranks, device=dev).clamp(max=k - 1)
+        rows, ranks, nxt = self._level_index(depth, logits.device)
+        k = min(max(k for _, k, _ in self.levels[depth - 1]) + 1, logits.shape[-1])
+        ranks = ranks.clamp(max=k - 1)
         top = torch.topk(torch.log_softmax(logits.float(), -1), k, dim=-1)                  # [B, F, k]
         draft_ids = top.indices[:, rows, ranks]                                              # [B, n]
         tokens = draft_ids if d2t is None else draft_ids + d2t[draft_ids]
         scores = tree.scores.gather(1, front)[:, rows] + top.values[:, rows, ranks]
         tree, ids = tree.grow(tokens, scores, front[:, rows], depth)
-        nxt = torch.tensor([i for i, (_, _, has) in enumerate(level) if has], dtype=torch.int64, device=dev)
         return tree, ids[:, nxt]

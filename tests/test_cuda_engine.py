@@ -2,6 +2,7 @@
 without them and vanilla on the CPU, and a round's draft and verify bodies never synchronise with the host
 (torch.cuda.set_sync_debug_mode("error") turns any sync into an error)."""
 import contextlib
+from functools import partial
 
 import pytest
 import torch
@@ -40,15 +41,17 @@ def reference(checkpoint):
 
 @contextlib.contextmanager
 def no_syncs():
+    mode = torch.cuda.get_sync_debug_mode()  # nested guards (a step function inside a round body) keep "error"
     torch.cuda.set_sync_debug_mode("error")
     try:
         yield
     finally:
-        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 def guard(decoder):
-    for name in ["_decode"] if type(decoder).__name__ == "VanillaDecoder" else ["draft", "verify", "_decode"]:
+    names = ["draft", "verify", "_decode", "_draft_tree_fn", "_verify_greedy_fn"]  # round bodies, fused steps
+    for name in ["_decode"] if type(decoder).__name__ == "VanillaDecoder" else filter(partial(hasattr, decoder), names):
         fn = getattr(decoder, name)
 
         def wrapped(*args, _fn=fn, **kwargs):

@@ -6,6 +6,7 @@ equals vanilla's, caches come back empty, and a round's draft and verify bodies 
 sync-freedom, proven on the CPU). The adaptive policy (plain Python, in LLM.step) still decides, but its depths
 are forced through a schedule that visits every depth, 0 (no drafts) included."""
 import itertools
+from functools import partial
 
 import pytest
 import torch
@@ -60,7 +61,8 @@ def gpu_path(llm, on: bool):
 
 def forbid_host_reads(decoder):
     """Run the decoder's round bodies (a decode step's forward; draft and verify) inside no_host_reads()."""
-    for name in ["_decode"] if type(decoder).__name__ == "VanillaDecoder" else ["draft", "verify", "_decode"]:
+    names = ["draft", "verify", "_decode", "_draft_tree_fn", "_verify_greedy_fn"]  # round bodies, fused steps
+    for name in ["_decode"] if type(decoder).__name__ == "VanillaDecoder" else filter(partial(hasattr, decoder), names):
         fn = getattr(decoder, name)
 
         def wrapped(*args, _fn=fn, **kwargs):
