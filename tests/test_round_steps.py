@@ -157,7 +157,7 @@ def test_fused_verify_moves_accepted_paths_like_the_reference(bucketed):
         for s, p in zip(seqs, prompts):
             s.output_ids = [p[-1]]
             prefill(runner, sched.blocks, s.seq_id, s.prompt_ids)
-        sched.prepare(seqs, prefill=False)
+        sched.prepare(seqs)
         rigs.append((runner, decoder, seqs))
     runner = rigs[0][0]
     greedy = []
