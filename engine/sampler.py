@@ -46,11 +46,11 @@ class Sampler:
         verification both see them. logits [B, V] predict the token after each sequence's tokens; with
         `tree` (engine.trees.Tree), logits [B, N, V] predict the token after each node, whose drafted
         ancestors (the node itself included, the root excluded: it is already an output token) count as
-        output tokens and add their depth to the output's length. -> logits (the same tensor when no
-        request transforms)."""
+        output tokens and add their depth to the output's length. Then the grammars (`constrain`). -> logits
+        (the same tensor when no request transforms or has a grammar)."""
         asked = [b for b, s in enumerate(seqs) if s.params.transforms]
         if not asked:
-            return logits
+            return self.constrain(logits, seqs, tree)
         dev, V = logits.device, logits.shape[-1]
         rows = self.runner.index(asked).long()
         params = [seqs[b].params for b in asked]
@@ -85,6 +85,30 @@ class Sampler:
             eos[list(self.eos_ids)] = True
             x = x.masked_fill(early & eos, float("-inf"))
         x = (x if tree is not None else x[:, 0]).to(logits.dtype)
+        return self.constrain(logits.index_copy(0, rows, x), seqs, tree)
+
+    def constrain(self, logits: torch.Tensor, seqs: list[Sequence], tree=None) -> torch.Tensor:
+        """Structured output: -inf for the tokens a sequence's grammar (Sequence.grammar) does not allow next;
+        logits and `tree` as in adjust, a tree node's grammar state being the one after its drafted ancestors
+        and itself. The masks are computed on the host (each grammar walks its tree there: the round's one
+        host read besides the verdict, for requests with a grammar only) and cross once as bits."""
+        asked = [b for b, s in enumerate(seqs) if s.grammar is not None]
+        if not asked:
+            return logits
+        V, rows = logits.shape[-1], self.runner.index(asked).long()
+        N = 1 if tree is None else tree.num_nodes
+        bits = torch.full((len(asked), N, (V + 31) // 32), -1, dtype=torch.int32)     # [R, N, W], host
+        if tree is None:
+            for i, b in enumerate(asked):
+                seqs[b].grammar.fill(bits[i])
+        else:
+            tokens, parents = tree.tokens.index_select(0, rows).tolist(), tree.parents.index_select(0, rows).tolist()
+            for i, b in enumerate(asked):
+                seqs[b].grammar.fill_tree(tokens[i], parents[i], bits[i])
+        shift = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((bits.to(logits.device)[..., None] >> shift) & 1).flatten(2)[..., :V].bool()  # [R, N, V]
+        x = logits.index_select(0, rows)
+        x = x.masked_fill(~(allowed if tree is not None else allowed[:, 0]), float("-inf"))
         return logits.index_copy(0, rows, x)
 
     def _counts(self, token_lists: list[list[int]], V: int) -> torch.Tensor:
