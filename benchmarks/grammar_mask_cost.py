@@ -8,8 +8,12 @@ once per tree node. This times, for one JSON schema and a realistic JSON answer 
 tokenizer, each engine's one-time setup (the tokenizer's vocabulary index), its compile of the schema (no cache:
 a fresh compiler / matcher each repeat), and per token the mask into a [1, V / 32] int32 bitmask and the token's
 commit; medians over the answer's tokens and the repeats, and the whole answer (compile + every token's mask
-and commit). Also the same for a regex. Both engines are single-
-threaded here (one matcher); `pip install xgrammar llguidance` first.
+and commit). Also the same for a regex. Both engines are single-threaded here (one matcher); `pip install
+xgrammar llguidance` first.
+
+--engine: also what the engine pays per decided token with its grammar engine (Sampler.constrain: the mask and
+its application to the target's logits), in a real generation under the schema (one thread, CLI defaults),
+for vanilla and `auto` (per verified tree node), beside the median decode step.
 """
 from __future__ import annotations
 
@@ -117,6 +121,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--engine", action="store_true", help="also time the engine's mask per decided token")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from engine.loader import load_tokenizer, resolve_model
@@ -134,6 +139,33 @@ def main():
             print(f"  {case:<11} compile {c['compile_ms']:8.2f} ms   mask {c['mask_us']:7.1f} us/token "
                   f"(p90 {c['mask_p90_us']:6.1f}, mean {c['mask_mean_us']:6.1f})   commit {c['commit_us']:5.1f} us/token   "
                   f"compile + whole answer {c['answer_ms']:6.2f} ms")
+    if args.engine:
+        engine_cost(args.model)
+
+
+def engine_cost(model: str, new_tokens: int = 96):
+    from engine.llm import LLM
+    from engine.scheduler import SamplingParams
+    llm = LLM(model, max_batch=1, threads=1)
+    ids = llm.chat_ids("Describe a fictional person as JSON.")
+    params = SamplingParams(max_new_tokens=new_tokens, structured=("json", json.dumps(SCHEMA)))
+    real, calls = llm.sampler.constrain, []
+
+    def timed(logits, seqs, tree=None):
+        t0 = time.perf_counter()
+        out = real(logits, seqs, tree)
+        calls.append((time.perf_counter() - t0, 1 if tree is None else tree.num_nodes))
+        return out
+    llm.sampler.constrain = timed
+    for method in ("vanilla", "auto"):
+        llm.set_method(method)
+        llm.generate([ids], params)   # warm-up: compile, first-use allocations
+        calls.clear()
+        seqs, stats = llm.generate([ids], params)
+        per_call = statistics.median(t for t, _ in calls[1:])   # the prefill's first
+        per_node = statistics.median(t / n for t, n in calls[1:])
+        print(f"engine {method:<8} {len(seqs[0].output_ids)} tokens: constrain {1e6 * per_call:6.0f} us a step "
+              f"({1e6 * per_node:5.0f} us a verified token), decode step {1e3 * stats.decode_s / stats.steps:5.2f} ms")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ draws do not depend on what else is in the batch; the others share the engine's 
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import eagle_kernels
@@ -90,8 +91,8 @@ class Sampler:
     def constrain(self, logits: torch.Tensor, seqs: list[Sequence], tree=None) -> torch.Tensor:
         """Structured output: -inf for the tokens a sequence's grammar (Sequence.grammar) does not allow next;
         logits and `tree` as in adjust, a tree node's grammar state being the one after its drafted ancestors
-        and itself. The masks are computed on the host (each grammar walks its tree there: the round's one
-        host read besides the verdict, for requests with a grammar only) and cross once as bits."""
+        and itself. The masks are computed on the host: a tree is read back for its grammars' walks (a round's
+        only host read besides the verdict, made for requests with a grammar alone)."""
         asked = [b for b, s in enumerate(seqs) if s.grammar is not None]
         if not asked:
             return logits
@@ -102,14 +103,14 @@ class Sampler:
             for i, b in enumerate(asked):
                 seqs[b].grammar.fill(bits[i])
         else:
-            tokens, parents = tree.tokens.index_select(0, rows).tolist(), tree.parents.index_select(0, rows).tolist()
+            host = torch.cat([tree.tokens, tree.parents.long()], 1).index_select(0, rows).tolist()  # [R, 2N]
             for i, b in enumerate(asked):
-                seqs[b].grammar.fill_tree(tokens[i], parents[i], bits[i])
-        shift = torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = ((bits.to(logits.device)[..., None] >> shift) & 1).flatten(2)[..., :V].bool()  # [R, N, V]
-        x = logits.index_select(0, rows)
-        x = x.masked_fill(~(allowed if tree is not None else allowed[:, 0]), float("-inf"))
-        return logits.index_copy(0, rows, x)
+                seqs[b].grammar.fill_tree(host[i][:N], host[i][N:], bits[i])
+        banned = unpack_banned(bits, V, logits.device)                                       # [R, N, V]
+        banned = banned if tree is not None else banned[:, 0]
+        if len(asked) == len(seqs):  # every row: no gather and scatter over the vocabulary
+            return logits.masked_fill(banned, float("-inf"))
+        return logits.index_copy(0, rows, logits.index_select(0, rows).masked_fill(banned, float("-inf")))
 
     def _counts(self, token_lists: list[list[int]], V: int) -> torch.Tensor:
         """Occurrences of each token id per list -> fp32 [len(token_lists), V]."""
@@ -149,3 +150,13 @@ class Sampler:
                               [seqs[i] for i in sampled])
             tokens = tokens.index_copy(0, rows.long(), drawn)
         return tokens
+
+
+def unpack_banned(bits: torch.Tensor, V: int, device: torch.device) -> torch.Tensor:
+    """Allowed-token bitmasks (int32 [..., W] on the host, bit t = token t) -> bool [..., V], True where a
+    token is not allowed: unpacked by numpy for a CPU, on the device for a GPU (an eighth of the copy)."""
+    if device.type == "cpu":
+        return torch.from_numpy(np.unpackbits((~bits.numpy()).view(np.uint8), axis=-1, bitorder="little")[..., :V]
+                                ).view(torch.bool)
+    shift = torch.arange(32, dtype=torch.int32, device=device)
+    return ((bits.to(device)[..., None] >> shift) & 1).flatten(-2)[..., :V] == 0

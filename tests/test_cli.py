@@ -19,6 +19,8 @@ def run_cli(*args, timeout=300):
     (["--top-p", "1.5", "hi"], "top_p must be in (0, 1]"),
     (["--top-p", "0", "hi"], "top_p must be in (0, 1]"),
     ([], "no prompt given"),
+    (["--regex", "a", "--json-schema", "{}", "hi"], "at most one of --json-schema, --regex, --grammar"),
+    (["--grammar", "/no/such/file", "hi"], "--grammar: [Errno 2]"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, message):
     r = run_cli(*args)
@@ -52,3 +54,13 @@ def test_device_cuda_without_a_gpu_is_a_one_line_error(capsys):
 def test_prefix_cache_flag():
     from engine.run import parse_args
     assert parse_args(["hi"]).prefix_cache is True and parse_args(["--no-prefix-cache", "hi"]).prefix_cache is False
+
+
+def test_structured_output_flags(tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"color": {"enum": ["red", "blue"]}},
+                                  "required": ["color"]}))
+    r = run_cli("--method", "vanilla", "--json", "--max-new-tokens", "16", "--json-schema", str(schema), "Name a color.")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    assert json.loads(row["text"])["color"] in ("red", "blue") and row["finish_reason"] == "stop"
