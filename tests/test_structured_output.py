@@ -25,7 +25,7 @@ CASES = {   # (kind, spec), prompt
     "regex": (("regex", PHONE), "Make up a US phone number."),
     "choice": (("choice", json.dumps(COLORS)), "What color is the sky?"),
 }
-NEW = 48
+NEW = 64
 METHODS = {
     "sps": ("sps", {"draft": "early-exit:10", "draft_len": 3}),
     "eagle": ("eagle", {}),                                                   # shipped head, the CPU's tree
