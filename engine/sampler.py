@@ -48,7 +48,7 @@ class Sampler:
         `tree` (engine.trees.Tree), logits [B, N, V] predict the token after each node, whose drafted
         ancestors (the node itself included, the root excluded: it is already an output token) count as
         output tokens and add their depth to the output's length. Then the grammars (`constrain`). -> logits
-        (the same tensor when no request transforms or has a grammar)."""
+        (the same tensor when no request has a transform or a grammar)."""
         asked = [b for b, s in enumerate(seqs) if s.params.transforms]
         if not asked:
             return self.constrain(logits, seqs, tree)
