@@ -134,6 +134,20 @@ def test_unconstrained_requests_beside_a_grammar_are_unchanged(llm):
     satisfies("json_schema", llm.tokenizer.decode(mixed[1].output_ids))
 
 
+def test_a_grammar_with_logit_transforms_stays_lossless(llm):
+    """The grammar masks the transformed logits (penalties counting a node's drafted ancestors as output)."""
+    params = SamplingParams(max_new_tokens=NEW, structured=CASES["json_schema"][0], frequency_penalty=1.0,
+                            presence_penalty=0.5)
+    prompt = [llm.chat_ids(CASES["json_schema"][1])]
+    outputs = []
+    for method, args in (("vanilla", {}), METHODS["eagle3-tree"], METHODS["sps"]):
+        llm.set_method(method, args)
+        seq = llm.generate(prompt, params)[0][0]
+        satisfies("json_schema", llm.tokenizer.decode(seq.output_ids))
+        outputs.append(seq.output_ids)
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
+
+
 def test_eos_ends_a_grammar_that_may_go_on_and_ignore_eos_does_not_outlive_it(llm):
     """Where the grammar may end but also go on, the model's EOS ends the request (kept as output, as without
     a grammar); with ignore_eos too, since the grammar allows nothing after it. Where it must go on, EOS is
