@@ -73,6 +73,7 @@ setup(
         "fastapi",
         "uvicorn",
         "prometheus-client",
+        "xgrammar>=0.2.8",   # structured output (engine/grammar.py); it brings triton, as the dev extras do
     ],
     extras_require={
         "dev": ["pytest", "pytest-benchmark", "scipy", "accelerate", "matplotlib", "triton", "openai", "httpx"],

@@ -17,6 +17,7 @@ import torch
 from .adaptive import PrefillPacer, SpeculationPolicy
 from .decoding import Verdict, depth_caps, round_depth
 from .device import CUDA_KV_SHARE, defaults, resolve_device
+from .grammar import Grammars
 from .loader import DEFAULT_MODEL, default_weights, load_model, load_tokenizer
 from .methods import METHODS, draft_elements_per_token
 from .model import Llama
@@ -100,8 +101,11 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.sampler = Sampler(seed, self.device, self.runner, tuple(sorted(eos)))
+        self.grammars = None if self.tokenizer is None else \
+            Grammars(self.tokenizer, self.cfg.vocab_size, tuple(sorted(eos)))
         self.scheduler = Scheduler(num_blocks, block_size, max_batch, self.cfg.max_position, tuple(eos),
-                                   vocab_size=self.cfg.vocab_size, prefix_cache=prefix_cache)
+                                   vocab_size=self.cfg.vocab_size, prefix_cache=prefix_cache,
+                                   grammars=self.grammars)
         prefill_chunk = preset.prefill_chunk if prefill_chunk is None else prefill_chunk
         self.pacer = PrefillPacer(prefill_chunk or None, preset.prefill_share if prefill_chunk else None)
         self.timing = timing

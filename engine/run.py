@@ -22,7 +22,30 @@ def parse_args(argv=None):
     p.add_argument("--prompts-file", help="JSONL: one prompt per line, a string or {\"prompt\": ...}")
     p.add_argument("--json", action="store_true", help="no streaming; one JSON object per prompt")
     p.add_argument("--raw", action="store_true", help="skip the chat template")
+    p.add_argument("--json-schema", metavar="SCHEMA", help="structured output: answer JSON valid under this schema "
+                   "(a file, or the schema's JSON itself; '{}': any JSON object)")
+    p.add_argument("--regex", help="structured output: the answer matches this regular expression")
+    p.add_argument("--grammar", metavar="FILE", help="structured output: the answer follows this EBNF "
+                   "(root ::= ...) or Lark (start: ...) grammar")
     return p.parse_args(argv)
+
+
+def structured(args) -> tuple[str, str] | None:
+    """SamplingParams.structured from --json-schema / --regex / --grammar (at most one)."""
+    given = [(k, v) for k, v in (("json", args.json_schema), ("regex", args.regex), ("grammar", args.grammar))
+             if v is not None]
+    if len(given) > 1:
+        raise ValueError("give at most one of --json-schema, --regex, --grammar")
+    if not given:
+        return None
+    kind, value = given[0]
+    if kind == "regex" or kind == "json" and value.lstrip().startswith("{"):
+        return kind, value
+    try:
+        with open(value) as f:
+            return kind, f.read()
+    except OSError as e:
+        raise ValueError(f"--{'json-schema' if kind == 'json' else kind}: {e}") from None
 
 
 def add_engine_args(p: argparse.ArgumentParser, max_batch: int):
@@ -119,7 +142,8 @@ class Streamer:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens).validate()
+        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens,
+                                structured=structured(args)).validate()
         prompts = read_prompts(args)
         llm = build_llm(args)
         ids = [llm.chat_ids(p, args.raw) for p in prompts]

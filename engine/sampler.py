@@ -6,6 +6,7 @@ draws do not depend on what else is in the batch; the others share the engine's 
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import eagle_kernels
@@ -41,8 +42,9 @@ class Sampler:
                                             [p.top_p for p in params])
 
     def transforms(self, seqs: list[Sequence]) -> bool:
-        """Whether `adjust` changes any row's logits (where it does not, a verify step may skip it)."""
-        return any(s.params.transforms for s in seqs)
+        """Whether `adjust` changes any row's logits: a transform or a grammar (where it does not, a verify
+        step may skip it)."""
+        return any(s.params.transforms or s.grammar is not None for s in seqs)
 
     def adjust(self, logits: torch.Tensor, seqs: list[Sequence], tree=None) -> torch.Tensor:
         """The requests' logit transforms (SamplingParams: presence / frequency / repetition penalties,
@@ -50,11 +52,11 @@ class Sampler:
         verification both see them. logits [B, V] predict the token after each sequence's tokens; with
         `tree` (engine.trees.Tree), logits [B, N, V] predict the token after each node, whose drafted
         ancestors (the node itself included, the root excluded: it is already an output token) count as
-        output tokens and add their depth to the output's length. -> logits (the same tensor when no
-        request transforms)."""
+        output tokens and add their depth to the output's length. Then the grammars (`constrain`). -> logits
+        (the same tensor when no request has a transform or a grammar)."""
         asked = [b for b, s in enumerate(seqs) if s.params.transforms]
         if not asked:
-            return logits
+            return self.constrain(logits, seqs, tree)
         dev, V = logits.device, logits.shape[-1]
         rows = self.runner.index(asked).long()
         params = [seqs[b].params for b in asked]
@@ -89,7 +91,31 @@ class Sampler:
             eos[list(self.eos_ids)] = True
             x = x.masked_fill(early & eos, float("-inf"))
         x = (x if tree is not None else x[:, 0]).to(logits.dtype)
-        return logits.index_copy(0, rows, x)
+        return self.constrain(logits.index_copy(0, rows, x), seqs, tree)
+
+    def constrain(self, logits: torch.Tensor, seqs: list[Sequence], tree=None) -> torch.Tensor:
+        """Structured output: -inf for the tokens a sequence's grammar (Sequence.grammar) does not allow next;
+        logits and `tree` as in adjust, a tree node's grammar state being the one after its drafted ancestors
+        and itself. The masks are computed on the host: a tree is read back for its grammars' walks (a round's
+        only host read besides the verdict, made for requests with a grammar alone)."""
+        asked = [b for b, s in enumerate(seqs) if s.grammar is not None]
+        if not asked:
+            return logits
+        V, rows = logits.shape[-1], self.runner.index(asked).long()
+        N = 1 if tree is None else tree.num_nodes
+        bits = torch.full((len(asked), N, (V + 31) // 32), -1, dtype=torch.int32)     # [R, N, W], host
+        if tree is None:
+            for i, b in enumerate(asked):
+                seqs[b].grammar.fill(bits[i])
+        else:
+            host = torch.cat([tree.tokens, tree.parents.long()], 1).index_select(0, rows).tolist()  # [R, 2N]
+            for i, b in enumerate(asked):
+                seqs[b].grammar.fill_tree(host[i][:N], host[i][N:], bits[i])
+        banned = unpack_banned(bits, V, logits.device)                                       # [R, N, V]
+        banned = banned if tree is not None else banned[:, 0]
+        if len(asked) == len(seqs):  # every row: no gather and scatter over the vocabulary
+            return logits.masked_fill(banned, float("-inf"))
+        return logits.index_copy(0, rows, logits.index_select(0, rows).masked_fill(banned, float("-inf")))
 
     def _counts(self, token_lists: list[list[int]], V: int) -> torch.Tensor:
         """Occurrences of each token id per list -> fp32 [len(token_lists), V]."""
@@ -129,3 +155,13 @@ class Sampler:
                               [seqs[i] for i in sampled])
             tokens = tokens.index_copy(0, rows.long(), drawn)
         return tokens
+
+
+def unpack_banned(bits: torch.Tensor, V: int, device: torch.device) -> torch.Tensor:
+    """Allowed-token bitmasks (int32 [..., W] on the host, bit t = token t) -> bool [..., V], True where a
+    token is not allowed: unpacked by numpy for a CPU, on the device for a GPU (an eighth of the copy)."""
+    if device.type == "cpu":
+        return torch.from_numpy(np.unpackbits((~bits.numpy()).view(np.uint8), axis=-1, bitorder="little")[..., :V]
+                                ).view(torch.bool)
+    shift = torch.arange(32, dtype=torch.int32, device=device)
+    return ((bits.to(device)[..., None] >> shift) & 1).flatten(-2)[..., :V] == 0

@@ -45,6 +45,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    # Structured output (engine/grammar.py): (kind, spec), e.g. ("json", schema text) or ("regex", pattern);
+    # only tokens the grammar allows are decided, and the request stops when its grammar is complete.
+    structured: tuple[str, str] | None = None
 
     def validate(self):
         if self.max_new_tokens <= 0:
@@ -68,6 +71,8 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens], got {self.min_tokens}")
+        if self.min_tokens and self.structured:  # the grammar decides where the output ends
+            raise ValueError("min_tokens cannot be combined with structured output")
         return self
 
     @property
@@ -103,9 +108,11 @@ class Sequence:
     prompt_keys: list[bytes] = field(default_factory=list)  # prefix keys of the prompt's blocks (caching)
     block_keys: list[bytes] = field(default_factory=list)  # prefix keys of its blocks registered so far
     # What a running sequence carries for the engine, dropped when it retires: the decoding method's draft
-    # state (EAGLE's head cursor, SpS's next draft logits) and, with params.seed, its random generator.
+    # state (EAGLE's head cursor, SpS's next draft logits), with params.seed its random generator, with
+    # params.structured its grammar state (engine.grammar.GrammarState, at the output tokens so far).
     draft_state: object = None
     generator: object = None
+    grammar: object = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -135,11 +142,12 @@ def final_len(seq: Sequence) -> int:
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_batch: int, max_model_len: int,
                  eos_ids: tuple[int, ...], lookahead: int = 1, vocab_size: int | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, grammars=None):
         self.blocks = BlockManager(num_blocks, block_size)
         self.prefix_cache = prefix_cache
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.eos_ids, self.lookahead, self.vocab_size = set(eos_ids), lookahead, vocab_size
+        self.grammars = grammars  # engine.grammar.Grammars (None: no tokenizer, no structured output)
         self.held = 0  # cache positions past the cached tokens the decoder keeps between steps
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -160,6 +168,10 @@ class Scheduler:
             raise ValueError(f"logit_bias: token ids must be in [0, {self.vocab_size})")
         if not seq.prompt_ids:
             raise ValueError("empty prompt")
+        if seq.params.structured is not None:
+            if self.grammars is None:
+                raise ValueError("structured output needs the model's tokenizer")
+            self.grammars.check(seq.params.structured)
         if len(seq.prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(seq.prompt_ids)} tokens; the model's context is "
                              f"{self.max_model_len} tokens")
@@ -188,6 +200,8 @@ class Scheduler:
             self.waiting.remove(seq)
             self._reserved[seq.seq_id] = need
             self.running.append(seq)
+            if seq.params.structured is not None:
+                seq.grammar = self.grammars.state(seq.params.structured)
             admitted.append(seq)
             if keys:
                 seq.cached_tokens = self.blocks.share(seq.seq_id, keys)
@@ -260,12 +274,17 @@ class Scheduler:
             seq.block_keys += new
 
     def append_tokens(self, seq: Sequence, tokens: list[int]) -> list[int]:
-        """Append generated tokens, stopping at EOS / max_new_tokens / context; returns those kept."""
+        """Append generated tokens, stopping at EOS / a complete grammar / max_new_tokens / context; returns
+        those kept."""
         kept = []
         for tok in tokens:
+            if seq.grammar is not None and not seq.grammar.accept(tok):  # never with the sampler's masks
+                seq.finish_reason = "stop"
+                break
             seq.output_ids.append(tok)
             kept.append(tok)
-            if tok in self.eos_ids and not seq.params.ignore_eos:
+            complete = seq.grammar is not None and seq.grammar.finished
+            if tok in self.eos_ids and not seq.params.ignore_eos or complete:
                 seq.finish_reason = "stop"
             elif len(seq.output_ids) >= seq.params.max_new_tokens or \
                     len(seq.all_ids) >= self.max_model_len:
@@ -301,7 +320,7 @@ class Scheduler:
         """A running sequence leaves: its blocks go back to the pool, its per-sequence state goes."""
         self.blocks.free(seq.seq_id)
         self._reserved.pop(seq.seq_id, None)
-        seq.draft_state = seq.generator = None
+        seq.draft_state = seq.generator = seq.grammar = None
 
     @property
     def has_work(self) -> bool:

@@ -72,9 +72,31 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JSONSchema(_Body):
+    name: str
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")   # None: any JSON object
+    strict: bool | None = None   # the schema is always enforced
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchema | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` object: one constraint."""
+    json_: dict | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class Sampling(_Body):
     """The fields both endpoints share. Extensions beyond OpenAI's (as vLLM's): top_k, ignore_eos,
-    repetition_penalty, min_tokens."""
+    repetition_penalty, min_tokens, and structured output's guided_json / guided_regex / guided_choice /
+    guided_grammar / structured_outputs beside OpenAI's response_format."""
     model: str
     max_tokens: int | None = Field(None, gt=0)
     temperature: float = Field(1.0, ge=0)
@@ -91,6 +113,43 @@ class Sampling(_Body):
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(0, ge=0)
+    response_format: ResponseFormat | None = None
+    guided_json: dict | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def structured(self) -> tuple[str | None, tuple[str, str] | None]:
+        """The one output constraint asked for, as SamplingParams.structured, and the field that asked."""
+        schema = lambda v: v if isinstance(v, str) else json.dumps(v)
+        asked = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", ("json", "")))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise APIError(400, "response_format.json_schema: required when type is json_schema",
+                               param="response_format.json_schema")
+            given = fmt.json_schema.schema_
+            asked.append(("response_format", ("json", "" if given is None else schema(given))))
+        so = self.structured_outputs or StructuredOutputs()
+        for param, value, kind, spec in (
+                ("guided_json", self.guided_json, "json", schema),
+                ("guided_regex", self.guided_regex, "regex", str),
+                ("guided_choice", self.guided_choice, "choice", json.dumps),
+                ("guided_grammar", self.guided_grammar, "grammar", str),
+                ("structured_outputs.json", so.json_, "json", schema),
+                ("structured_outputs.regex", so.regex, "regex", str),
+                ("structured_outputs.choice", so.choice, "choice", json.dumps),
+                ("structured_outputs.grammar", so.grammar, "grammar", str),
+                ("structured_outputs.json_object", so.json_object or None, "json", lambda _: "")):
+            if value is not None:
+                asked.append((param, (kind, spec(value))))
+        if len(asked) > 1:
+            raise APIError(400, f"{', '.join(p for p, _ in asked)}: give at most one output constraint",
+                           param=asked[1][0])
+        return asked[0] if asked else (None, None)
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -168,12 +227,23 @@ class Server:
             raise APIError(400, "logit_bias: values must be in [-100, 100]", param="logit_bias")
         if body.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens: {body.min_tokens} exceeds max_tokens ({max_tokens})", param="min_tokens")
+        param, structured = body.structured()
+        if structured is not None:
+            if body.min_tokens:
+                raise APIError(400, f"min_tokens: cannot be combined with {param}", param="min_tokens")
+            grammars = self.engine.llm.grammars
+            try:
+                if grammars is None:
+                    raise ValueError("structured output needs the model's tokenizer")
+                grammars.check(structured)   # compiled once: admission's compile is a cache hit
+            except ValueError as e:
+                raise APIError(400, f"{param}: {e}", param=param) from None
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                               max_new_tokens=max_tokens, ignore_eos=body.ignore_eos, seed=body.seed,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
                               frequency_penalty=body.frequency_penalty,
                               repetition_penalty=body.repetition_penalty, logit_bias=bias or None,
-                              min_tokens=body.min_tokens)
+                              min_tokens=body.min_tokens, structured=structured)
 
     def chat_ids(self, body: ChatBody) -> list[int]:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}

@@ -20,6 +20,8 @@ def run_cli(*args, timeout=300):
     (["--top-p", "0", "hi"], "top_p must be in (0, 1]"),
     ([], "no prompt given"),
     (["--prefill-chunk", "-3", "hi"], "prefill_chunk must be >= 0"),
+    (["--regex", "a", "--json-schema", "{}", "hi"], "at most one of --json-schema, --regex, --grammar"),
+    (["--grammar", "/no/such/file", "hi"], "--grammar: [Errno 2]"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, message):
     r = run_cli(*args)
@@ -58,3 +60,13 @@ def test_prefix_cache_flag():
 def test_prefill_chunk_flag():
     from engine.run import parse_args
     assert parse_args(["hi"]).prefill_chunk is None and parse_args(["--prefill-chunk", "64", "hi"]).prefill_chunk == 64
+
+
+def test_structured_output_flags(tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"color": {"enum": ["red", "blue"]}},
+                                  "required": ["color"]}))
+    r = run_cli("--method", "vanilla", "--json", "--max-new-tokens", "16", "--json-schema", str(schema), "Name a color.")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    assert json.loads(row["text"])["color"] in ("red", "blue") and row["finish_reason"] == "stop"

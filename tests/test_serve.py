@@ -1,6 +1,7 @@
 """The OpenAI-compatible server on 127.0.0.1, called with the official `openai` client and raw HTTP."""
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -218,6 +219,45 @@ def test_penalties_bias_and_min_tokens(server):
     assert r.choices[0].message.content and server.idle()
 
 
+def test_structured_output(server):
+    """OpenAI's response_format (json_object, json_schema) and vLLM's guided_* / structured_outputs fields on both
+    endpoints: the answers satisfy their grammar and end with "stop", streamed or not; bad ones are 400s that
+    name the field (more shapes in BAD)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    r = chat(server, "Where is the Eiffel Tower? Answer in JSON.", max_tokens=48, response_format=fmt)
+    text = r.choices[0].message.content
+    assert set(json.loads(text)) == {"city", "country"} and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(
+        server, "Where is the Eiffel Tower? Answer in JSON.", max_tokens=48, response_format=fmt, stream=True))
+    assert streamed == text
+    r = chat(server, "Reply with a JSON object giving the city and country of Paris.", max_tokens=48,
+             response_format={"type": "json_object"}, n=2, temperature=0.7, seed=3)
+    assert all(isinstance(json.loads(c.message.content), dict) for c in r.choices)
+    r = chat(server, "Make up a US phone number.", max_tokens=16, extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", r.choices[0].message.content)
+    r = chat(server, "Is the sky blue?", max_tokens=8, extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].message.content in ("yes", "no")
+    r = chat(server, "What is 6 times 7?", max_tokens=16,
+             extra_body={"structured_outputs": {"grammar": 'root ::= "It is " [0-9]+ "."'}})
+    assert re.fullmatch("It is [0-9]+\\.", r.choices[0].message.content)
+    r = server.client.completions.create(model=MODEL, prompt="Paris is in France. As JSON:", max_tokens=48,
+                                         temperature=0, extra_body={"response_format": fmt})
+    assert set(json.loads(r.choices[0].text)) == {"city", "country"}
+    for extra, match in (({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+                          "response_format: invalid json: Unsupported type"),
+                         ({"guided_regex": "(ab"}, "guided_regex: invalid regex"),
+                         ({"guided_json": schema, "guided_regex": "a"}, "guided_json, guided_regex: give at most one"),
+                         ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens: cannot be combined with guided_regex")):
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/completions", {"prompt": "hi"})):
+            r = httpx.post(server.url + path, json={"model": MODEL, "max_tokens": 8, **body, **extra})
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith(match), r.text
+    assert server.idle()
+
+
 BAD = [
     (b"{not json", 400), (b"[1, 2]", 400),
     ({"messages": [{"role": "user", "content": "hi"}]}, 400),                        # no model
@@ -249,6 +289,22 @@ BAD = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 1}}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "min_tokens": 5}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": "json"}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+      "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}, 400),   # no name
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"properties": 5}}}}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "guided_json": "{not json"}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "guided_regex": "[a-"}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "guided_regex": 5}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "guided_choice": []}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "guided_choice": "yes"}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "guided_grammar": "root ::= "}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": 5}}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"},
+      "structured_outputs": {"choice": ["a"]}}, 400),
     ({"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}, 404),
 ]
 
