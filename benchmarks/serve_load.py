@@ -16,11 +16,12 @@ tokens / wall time of the level), time to first token and inter-token latency p5
 chunk - first chunk) / (tokens - 1), the decode pace a reader sees).
 
 Workload `mixed`: --streams requests decode (--stream-tokens each, min_tokens so none stops early); once each
-has streamed a few chunks, a burst of --burst prompts arrives at once, half long (held-out prompts joined to
-~--long-chars characters) and half short, --burst-tokens each. Per contender: the streams' gaps between
-chunks before the burst (steady) and while it prefills (from its arrival to its last first token): p50 / p99,
-and the burst's time to first token. With chunked prefill the streams keep their pace through the burst
-(issue 25: burst p99 within 3x the steady p50); without it they stall for the burst's whole prefill.
+has streamed --steady-tokens chunks, a burst of --burst prompts arrives at once, half long (held-out prompts
+joined to ~--long-chars characters) and half short, --burst-tokens each. Per contender: the streams' gaps
+between chunks before the burst, once all are decoding (steady), and while it prefills (gaps overlapping its
+arrival to its last first token): p50 / p99 / max, and the burst's time to first token. With chunked prefill
+the streams keep a pace through the burst (issue 25: burst p99 within 3x the p50); without it they stall for
+the burst's whole prefill.
 
 Medians over repetitions; a PNG and a JSON next to --out.
 """
@@ -154,10 +155,11 @@ async def mixed(url: str, prompts: list[str], long_prompts: list[str], args) -> 
     stream_times = [[] for _ in range(args.streams)]
     streams = [asyncio.create_task(timed_stream(client, model, prompts[i], args.stream_tokens, stream_times[i]))
                for i in range(args.streams)]
-    while min(len(t) for t in stream_times) < 4:
+    while min(len(t) for t in stream_times) < args.steady_tokens:  # every stream decoding for a while
         await asyncio.sleep(0.01)
         if any(t.done() for t in streams):
             raise SystemExit("a stream ended before the burst: raise --stream-tokens")
+    t_all = max(t[0] for t in stream_times)  # the last stream's first token: from here on, steady decoding
     burst_prompts = [long_prompts[i // 2] if i % 2 == 0 else prompts[args.streams + i] for i in range(args.burst)]
     burst_times = [[] for _ in burst_prompts]
     t_burst = time.perf_counter()
@@ -173,7 +175,8 @@ async def mixed(url: str, prompts: list[str], long_prompts: list[str], args) -> 
     for times in stream_times:
         for a, b in zip(times, times[1:]):
             if b <= t_burst:
-                steady.append(b - a)
+                if a >= t_all:
+                    steady.append(b - a)
             elif a < t_end:  # the gap overlaps the burst's prefill
                 during.append(b - a)
     ttft = sorted(t[0] - s for t, s in zip(burst_times, burst))
@@ -258,6 +261,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-seconds", type=float, default=180, help="stop sending at a level after this")
     p.add_argument("--streams", type=int, default=8, help="mixed: running streams")
     p.add_argument("--stream-tokens", type=int, default=768, help="mixed: tokens each stream decodes")
+    p.add_argument("--steady-tokens", type=int, default=24, help="mixed: tokens every stream has streamed "
+                   "before the burst")
     p.add_argument("--burst", type=int, default=8, help="mixed: prompts arriving at once (half long)")
     p.add_argument("--burst-tokens", type=int, default=16, help="mixed: tokens each burst request decodes")
     p.add_argument("--long-chars", type=int, default=6000, help="mixed: characters of a long prompt")

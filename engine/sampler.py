@@ -74,11 +74,11 @@ class Sampler:
             counts = counts + anc @ torch.nn.functional.one_hot(tokens, V).float()     # [R, N, V]
             depth = tree.depths.index_select(0, rows).float()
         col = lambda name: torch.tensor([getattr(p, name) for p in params], device=dev)[:, None, None]
-        x = x - col("frequency_penalty") * counts - col("presence_penalty") * (counts > 0).float()
-        rep = col("repetition_penalty")
-        if any(p.repetition_penalty != 1 for p in params):
+        if any(p.repetition_penalty != 1 for p in params):  # first, on the raw logits (vLLM's order)
+            rep = col("repetition_penalty")
             seen = (counts > 0) | (self._counts([seqs[b].prompt_ids for b in asked], V)[:, None] > 0)
             x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - col("frequency_penalty") * counts - col("presence_penalty") * (counts > 0).float()
         bias = torch.zeros(R, V, device=dev)
         for i, p in enumerate(params):
             if p.logit_bias:

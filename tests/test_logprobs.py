@@ -102,11 +102,11 @@ def reference_logprobs(llm, seq, params):  # noqa: F811
     out = []
     for i, (row, tok) in enumerate(zip(logits, seq.output_ids)):
         counts = torch.bincount(torch.tensor(seq.output_ids[:i], dtype=torch.long), minlength=row.numel()).float()
-        row = row - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
         seen = counts > 0
         seen[seq.prompt_ids] = True
         rp = params.repetition_penalty
-        row = torch.where(seen, torch.where(row > 0, row / rp, row * rp), row)
+        row = torch.where(seen, torch.where(row > 0, row / rp, row * rp), row)  # first, as vLLM
+        row = row - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
         for t, v in (params.logit_bias or {}).items():
             row[t] += v
         if i < params.min_tokens:

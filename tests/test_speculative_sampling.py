@@ -1,6 +1,7 @@
 """Lossless speculative sampling on a tiny synthetic Llama: the distribution of whole generated sequences
 must be the target's exact distribution (computed with transformers), for every method, temperature,
 top-k and top-p, in mixed batches with greedy requests; plus greedy losslessness on many short prompts."""
+import dataclasses
 import itertools
 
 import pytest
@@ -53,16 +54,33 @@ def use(llm, method, **args):
 
 
 def exact_distribution(hf, params: SamplingParams) -> torch.Tensor:
-    """P(t1..t4 | prompt) under the target's sampling distribution: fp64 [V ** NEW]."""
+    """P(t1..t4 | prompt) under the target's sampling distribution, after the request's logit transforms:
+    fp64 [V ** NEW]."""
     prob = torch.ones(1, dtype=torch.float64)
     for n in range(NEW):
         prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=n)), dtype=torch.long).view(VOCAB ** n, n)
         ids = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), -1), prefixes], 1)
         with torch.no_grad():
-            logits = hf(ids).logits[:, -1].float()
+            logits = transformed(hf(ids).logits[:, -1].float(), prefixes, params)
         step = eagle_kernels.sampling_probs(logits, params.temperature, params.top_k, params.top_p)
         prob = (prob[:, None] * step.double()).flatten()
     return prob
+
+
+def transformed(logits: torch.Tensor, outputs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """vLLM's logit transforms in plain torch (independent of Sampler.adjust): logits fp32 [P, V] after the
+    output prefixes [P, n]: repetition penalty over prompt and output, then frequency and presence penalties
+    over the output, then logit_bias."""
+    counts = torch.nn.functional.one_hot(outputs, VOCAB).sum(1).float() if outputs.shape[1] else \
+        torch.zeros_like(logits)
+    seen = counts > 0
+    seen[:, PROMPT] = True
+    r = p.repetition_penalty
+    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+    for t, v in (p.logit_bias or {}).items():
+        logits[:, t] += v
+    return logits
 
 
 def chi_square_pvalue(counts: torch.Tensor, prob: torch.Tensor) -> float:
@@ -104,6 +122,33 @@ def test_sampling_is_lossless(tiny, exact, method):
     use(llm, "vanilla")
     ref, _ = llm.generate([PROMPT], greedy)
     assert all(s.output_ids == ref[0].output_ids for s in seqs[-4:])
+
+
+# Penalties and a bias strong enough to move the distribution far from the plain target's.
+PENALISED = [SamplingParams(0.8, presence_penalty=1.5, frequency_penalty=0.7, repetition_penalty=1.4,
+                            logit_bias={4: 2.5, 6: -3.0}),
+             SamplingParams(1.0, top_k=5, frequency_penalty=-0.6, repetition_penalty=0.8)]
+
+
+@pytest.mark.parametrize("method", list(METHOD_ARGS))
+def test_sampling_with_penalties_is_lossless(tiny, method):
+    """Verification applies the transforms at every tree node with its drafted ancestors counted as output:
+    the sampled sequences follow the transformed target exactly (each node's q is the untransformed draft's,
+    which may be far from it: acceptance drops, the distribution must not)."""
+    llm, hf = tiny
+    use(llm, method, **METHOD_ARGS[method])
+    params = [dataclasses.replace(p, max_new_tokens=NEW, ignore_eos=True) for p in PENALISED]
+    seqs, stats = llm.generate([PROMPT] * (len(params) * SAMPLES), [p for p in params for _ in range(SAMPLES)])
+    assert stats.extra["tau"] > 1.05  # some drafts accepted, or the test proves nothing about verification
+    for g, p in enumerate(params):
+        counts = torch.zeros(VOCAB ** NEW)
+        for s in seqs[g * SAMPLES:(g + 1) * SAMPLES]:
+            counts[sequence_index(s.output_ids)] += 1
+        assert chi_square_pvalue(counts, exact_distribution(hf, p)) > 1e-3, p
+    # the reference itself is not the untransformed distribution (the test could not fail otherwise)
+    plain = exact_distribution(hf, dataclasses.replace(params[0], presence_penalty=0, frequency_penalty=0,
+                                                       repetition_penalty=1, logit_bias=None))
+    assert (plain - exact_distribution(hf, params[0])).abs().sum() > 0.3
 
 
 @pytest.mark.parametrize("method,args", [
