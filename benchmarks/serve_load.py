@@ -200,8 +200,29 @@ def long_texts(prompts: list[str], n: int, chars: int) -> list[str]:
 
 
 def load_prompts(n: int) -> list[str]:
-    from train.data import heldout_prompts
-    return [p for p in heldout_prompts(8 * n) if len(p) <= 1000][:n]
+    """n distinct chat prompts of <= 1000 characters: held-out ShareGPT first turns, then the train split's."""
+    from train.data import source_prompts
+    out = {}
+    for split in ("heldout", "train"):
+        out |= {p: None for p in source_prompts("sharegpt", split, 16 * n) if len(p) <= 1000}
+        if len(out) >= n:
+            break
+    return list(out)[:n]
+
+
+class Prompts:
+    """Fresh prompts for each level: a level's contenders get the same ones, no later level repeats them (a
+    prompt seen before would be served from the prefix cache)."""
+
+    def __init__(self, pool: list[str]):
+        self.pool, self.next = pool, 0
+
+    def take(self, n: int) -> list[str]:
+        if self.next + n > len(self.pool):
+            print("  warning: prompts exhausted, reusing them (the prefix cache will hit)")
+            self.next = 0
+        self.next += n
+        return self.pool[self.next - n:self.next]
 
 
 def plot(summary: dict, methods: list[str], levels: list[int], path: Path):
@@ -275,8 +296,9 @@ def main(argv=None) -> int:
     chunks = [c for c in args.prefill_chunks.split(",") if c]
     names = [f"{m}@{c}" if chunks else m for m in args.methods.split(",") for c in chunks or [""]]
     os.makedirs(Path(args.out).parent, exist_ok=True)
-    prompts = load_prompts(max(64, 2 * max(args.concurrency), args.streams + args.burst))
-    long_prompts = long_texts(load_prompts(200)[100:], (args.burst + 1) // 2, args.long_chars)
+    per_rep = (sum(max(8, int(args.requests * c)) for c in args.concurrency) if args.workload != "mixed" else 0) + \
+        (args.streams + args.burst + (args.burst + 1) // 2 * (args.long_chars // 150 + 1) if args.workload != "chat" else 0)
+    prompts = Prompts(load_prompts(args.reps * per_rep))
     servers = {n: ServerProcess(n, args) for n in names}
     chat = args.workload in ("chat", "both")
     runs: dict[str, dict[int, list[dict]]] = {n: {c: [] for c in args.concurrency} for n in names}
@@ -288,13 +310,18 @@ def main(argv=None) -> int:
             order = names if rep % 2 == 0 else names[::-1]
             for c in args.concurrency if chat else []:
                 n = max(8, int(args.requests * c))
+                level_prompts = prompts.take(n)
                 for m in order:
-                    r = asyncio.run(level(servers[m].url, prompts, c, n, args.max_tokens, args.max_seconds))
+                    r = asyncio.run(level(servers[m].url, level_prompts, c, n, args.max_tokens, args.max_seconds))
                     runs[m][c].append(r)
                     print(f"rep {rep} c={c:3d} {m:12s} {r['completed']}/{r['sent']} done, {r['tok_s']:7.1f} tok/s, "
                           f"ttft p50 {r['ttft_p50']:.2f} s, itl p50 {1000 * r['itl_p50']:.1f} ms", flush=True)
+            if args.workload != "chat":
+                short = prompts.take(args.streams + args.burst)
+                long = long_texts(prompts.take((args.burst + 1) // 2 * (args.long_chars // 150 + 1)),
+                                  (args.burst + 1) // 2, args.long_chars)
             for m in order if args.workload != "chat" else []:
-                r = asyncio.run(mixed(servers[m].url, prompts, long_prompts, args))
+                r = asyncio.run(mixed(servers[m].url, short, long, args))
                 mixed_runs[m].append(r)
                 print(f"rep {rep} mixed {m:12s} gaps steady p50 {1000 * r['steady_p50']:.1f} ms, during the burst "
                       f"p50 {1000 * r['burst_p50']:.1f} / p99 {1000 * r['burst_p99']:.1f} / max "

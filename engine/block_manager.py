@@ -9,7 +9,8 @@ Prefix caching: a full block whose KV is final can be registered under a key (th
 token up to it and the one after it: prefix_keys). Blocks are reference counted; a registered block nobody
 holds stays cached, LRU-evicted only when a fresh block is needed, and a new sequence whose prompt starts with
 the same tokens takes it into its table (`share`) instead of recomputing it. Shared blocks are never written:
-a sequence writes only past its shared prefix.
+a sequence writes only past its shared prefix. A decoder that keeps its own state per slot (an EAGLE head's
+KV) marks the blocks where it is final (`mark_side`), so a sharing sequence can skip recomputing it there.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class BlockManager:
         self.key_of: dict[int, bytes] = {}               # registered block -> its prefix key
         self.by_key: dict[bytes, int] = {}
         self.cached: OrderedDict[int, None] = OrderedDict()  # registered blocks nobody holds, least recent first
+        self.side: set[int] = set()  # blocks whose decoder-side state (a draft's KV) is final too (mark_side)
 
     @property
     def num_free(self) -> int:
@@ -47,6 +49,7 @@ class BlockManager:
             block, _ = self.cached.popitem(last=False)
             del self.by_key[self.key_of.pop(block)]
         self.refs[block] = 1
+        self.side.discard(block)
         return block
 
     def _release(self, block: int):
@@ -81,6 +84,24 @@ class BlockManager:
         self.cached.clear()
         self.key_of.clear()
         self.by_key.clear()
+        self.side.clear()
+
+    def mark_side(self, seq_id: int, start: int, end: int):
+        """A decoder wrote its own per-slot state (a draft head's KV) for positions [start, end) of the
+        sequence, those before start being final already: the blocks wholly below `end` are complete for a
+        later sequence that shares them (side_prefix)."""
+        table, bs = self.tables[seq_id], self.block_size
+        self.side.update(table[start // bs:end // bs])
+
+    def side_prefix(self, seq_id: int, tokens: int) -> int:
+        """Of the sequence's first `tokens` positions (a shared prefix), how many lead blocks whose
+        decoder-side state is final cover. -> tokens."""
+        n = 0
+        for block in self.tables.get(seq_id, [])[:tokens // self.block_size]:
+            if block not in self.side:
+                break
+            n += 1
+        return n * self.block_size
 
     def register(self, seq_id: int, first: int, keys: list[bytes]):
         """Register the sequence's blocks first, first + 1, ... under `keys` (full, final blocks). A key

@@ -122,8 +122,8 @@ class EagleDecoder(SpeculativeDecoder):
         return verify_tokens(self.tree)
 
     def prefill(self, seqs: list[Sequence], counts: list[int]) -> Verdict:
-        for s in seqs:
-            s.draft_state = s.draft_state or HeadCursor()
+        for s in seqs:  # the head's KV over a shared prefix is there where the head had fed its blocks
+            s.draft_state = s.draft_state or HeadCursor(self.blocks.side_prefix(s.seq_id, s.cached_tokens))
         return self.prefill_target(seqs, counts)
 
     def draft(self, seqs: list[Sequence], depth: int, caps: list[int]) -> Draft:
@@ -274,8 +274,9 @@ class EagleDecoder(SpeculativeDecoder):
                 self.features, ids, pos, meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q, meta.prefix_lens,
                 [min(levels, c) for c in caps], policy.min_prob, weights, formats, head.d2t, head.cfg.rms_eps,
                 head.rotary.cos, head.rotary.sin, list(self.head_layers[0]), head.cfg.num_heads)
-        for s in seqs:
+        for s, start in zip(seqs, starts):
             s.draft_state.fed = cached_len(s)
+            self.blocks.mark_side(s.seq_id, start, s.draft_state.fed)
         return Tree.chains(chains, sizes)
 
     def _chain_fn(self, g):
@@ -298,6 +299,7 @@ class EagleDecoder(SpeculativeDecoder):
         for s, n in zip(todo, counts):
             end += n
             s.draft_state.fed += n
+            self.blocks.mark_side(s.seq_id, s.draft_state.fed - n, s.draft_state.fed)
             if not keep:  # the last pair is the root
                 s.draft_state.root = (hidden[end - 1], out[end - 1])
         return time.perf_counter() - t0

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.block_manager import BlockManager, OutOfBlocks, prefix_keys
-from engine.llm import LLM
-from engine.scheduler import SamplingParams
+from engine.llm import LLM, RunStats
+from engine.scheduler import SamplingParams, Sequence
 from tests.conftest import write_tiny_llama
 from tests.test_engine_paths import METHODS, VOCAB
 from tests.test_speculative_sampling import write_tokenizer
@@ -50,6 +50,18 @@ def test_share_register_evict():
     with pytest.raises(ValueError, match="already has blocks"):
         bm.allocate(5, 1)
         bm.share(5, keys)
+
+
+def test_side_state_marks_follow_their_blocks():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.allocate(1, 10)                               # 3 blocks
+    bm.mark_side(1, 0, 9)                            # blocks 0 and 1 lie wholly below position 9
+    assert bm.side_prefix(1, 12) == 8 and bm.side_prefix(1, 4) == 4
+    bm.mark_side(1, 9, 12)
+    assert bm.side_prefix(1, 12) == 12
+    bm.free(1)
+    bm.allocate(2, 16)                               # the same blocks, taken anew: no longer marked
+    assert bm.side_prefix(2, 16) == 0 and not bm.side
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +111,29 @@ def test_a_second_turn_prefills_only_its_new_tokens(tiny):
     seq, stats = llm.generate([turn2], params)
     assert seq[0].cached_tokens == (len(turn2) - 1) // BS * BS > len(PROMPTS[1])  # the answer's blocks too
     assert seq[0].output_ids == ref.generate([turn2], params)[0][0].output_ids
+
+
+@pytest.mark.parametrize("name", ["eagle3", "eagle3-chain"])
+def test_a_shared_prefix_needs_no_head_catch_up(tiny, name):
+    """The head's KV in a cached block is shared with it once the head had fed the block: a second turn's
+    head starts after the shared blocks (sampled output, which follows the drafts, still equals the uncached
+    run's), and a method switch forgets which blocks hold head KV with the cache."""
+    llm, ref = make(tiny, cache=True), make(tiny, cache=False)
+    for x in (llm, ref):
+        x.set_method(*METHODS[name])
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.8, seed=4)
+    first = llm.generate([PROMPTS[3]], params)[0][0]
+    turn2 = first.all_ids + [4, 5, 6]
+    seq = Sequence(turn2, params)
+    llm.scheduler.add(seq)
+    llm.step(RunStats())                                    # its prefill
+    assert seq.draft_state.fed >= len(PROMPTS[3]) // BS * BS and seq.draft_state.fed % BS == 0
+    assert seq.draft_state.fed <= seq.cached_tokens
+    while llm.has_work:
+        llm.step(RunStats())
+    assert seq.output_ids == ref.generate([turn2], params)[0][0].output_ids
+    llm.set_method("vanilla")
+    assert not llm.scheduler.blocks.side
 
 
 def test_identical_prompts_in_one_batch_share_their_prefix(tiny):
