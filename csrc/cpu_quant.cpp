@@ -447,7 +447,7 @@ void group_simd(const uint8_t* w, const Panel& x, Out* y, int64_t ldy) {
   else group_avx2<Q4, R>(w, x, y, ldy);
 }
 
-// Up to kPanel x rows at a time (AVX2: 4).
+// Up to 4 x rows at a time.
 template <bool Q4, typename Out>
 void group_any(const uint8_t* w, const Panel& x, int64_t R, Out* y, int64_t ldy) {
   switch (R) {
@@ -457,6 +457,17 @@ void group_any(const uint8_t* w, const Panel& x, int64_t R, Out* y, int64_t ldy)
     default: return group_simd<Q4, 4>(w, x, y, ldy);
   }
 }
+
+// AVX-512, up to 4 x rows against G groups `gap` groups apart.
+template <bool Q4, int G, typename Out>
+void groups_avx512(const uint8_t* w, const Panel& x, int64_t R, Out* y, int64_t ldy, int64_t gap) {
+  switch (R) {
+    case 1: return group_avx512<Q4, 1, G>(w, x, y, ldy, gap);
+    case 2: return group_avx512<Q4, 2, G>(w, x, y, ldy, gap);
+    case 3: return group_avx512<Q4, 3, G>(w, x, y, ldy, gap);
+    default: return group_avx512<Q4, 4, G>(w, x, y, ldy, gap);
+  }
+}
 #endif
 
 // Groups [g0, g1) of w against all M x rows, in panels of 4: a group's blocks (5-15 KB for these models)
@@ -464,20 +475,27 @@ void group_any(const uint8_t* w, const Panel& x, int64_t R, Out* y, int64_t ldy)
 template <bool Q4, typename Out>
 void compute(const uint8_t* w, int64_t g0, int64_t g1, const QuantX& xq, int64_t M, int64_t N, Out* y) {
   const int64_t K = xq.K, nb = xq.nb, group_bytes = nb * group_block_bytes<Q4>();
+  auto panel = [&](int64_t m) {
+    return Panel{xq.q.data() + m * K, xq.d.data() + m * nb, xq.s.data() + m * nb, xq.sum.data() + m * nb, K, nb};
+  };
 #if defined(__x86_64__)
-  if (M == 1 && use_avx512()) {  // decode: the range's two halves side by side
-    const Panel x{xq.q.data(), xq.d.data(), xq.s.data(), xq.sum.data(), K, nb};
+  if (M >= kAmxMinRows && use_amx()) return compute_amx<Q4>(w, g0, g1, xq, M, N, y);
+  if (M < kAmxMinRows && use_avx512()) {  // decode and verify: the range's two halves side by side
     const int64_t half = (g1 - g0) / 2;
-    for (int64_t g = g0; g < g0 + half; ++g) group_avx512<Q4, 1, 2>(w + g * group_bytes, x, y + g * kGroup, N, half);
-    if ((g1 - g0) % 2) group_avx512<Q4, 1>(w + (g1 - 1) * group_bytes, x, y + (g1 - 1) * kGroup, N);
+    for (int64_t g = g0; g < g0 + half; ++g)
+      for (int64_t m = 0; m < M; m += 4)
+        groups_avx512<Q4, 2>(w + g * group_bytes, panel(m), std::min<int64_t>(4, M - m), y + m * N + g * kGroup, N, half);
+    if ((g1 - g0) % 2)
+      for (int64_t m = 0; m < M; m += 4)
+        groups_avx512<Q4, 1>(w + (g1 - 1) * group_bytes, panel(m), std::min<int64_t>(4, M - m),
+                             y + m * N + (g1 - 1) * kGroup, N, 0);
     return;
   }
-  if (M >= kAmxMinRows && use_amx()) return compute_amx<Q4>(w, g0, g1, xq, M, N, y);
 #endif
   for (int64_t g = g0; g < g1; ++g) {
     for (int64_t m = 0; m < M; m += 4) {
       const int64_t R = std::min<int64_t>(4, M - m);
-      const Panel x{xq.q.data() + m * K, xq.d.data() + m * nb, xq.s.data() + m * nb, xq.sum.data() + m * nb, K, nb};
+      const Panel x = panel(m);
 #if defined(__x86_64__)
       if (eagle::cpu::has_avx2()) {
         group_any<Q4>(w + g * group_bytes, x, R, y + m * N + g * kGroup, N);
