@@ -167,18 +167,24 @@ class PrefillPacer:
     While sequences decode, a step's prefill may take about `share` of its decoding round's time, at the
     prefill rate measured so far (tokens per second, an exponential average over chunks), so a burst of new
     prompts stretches each running stream's gap between tokens by about 1 + share instead of stalling it for
-    the burst's whole prefill. At least one block's worth (`floor`) goes per step, so prompts always advance;
-    never more than `cap` (None: no cap). With nothing decoding, or before any prefill was timed, the cap."""
+    the burst's whole prefill. The share grows with the backlog: times the sequences waiting for their prompt
+    per decoding one, when more wait than decode. Under sustained load a prompt holds a batch slot for as long
+    as it prefills, and a fixed share lets that backlog grow until few sequences decode (a decoding round then
+    yields less than the prefill it paces would have let in). At least one block's worth (`floor`) goes per
+    step, so prompts always advance; never more than `cap` (None: no cap). With nothing decoding, or before
+    any prefill was timed, the cap."""
 
     def __init__(self, cap: int | None, share: float | None, floor: int = 16, decay: float = 0.7):
         self.cap, self.share, self.floor, self.decay = cap, share, floor, decay
         self.rate: float | None = None
 
-    def budget(self, decode_s: float) -> int | None:
-        """Prompt tokens this step may prefill after a decoding round of decode_s seconds (0: none ran)."""
+    def budget(self, decode_s: float, prefilling: int = 1, decoding: int = 1) -> int | None:
+        """Prompt tokens this step may prefill after a decoding round of decode_s seconds (0: none ran) of
+        `decoding` sequences, `prefilling` sequences waiting for the rest of their prompts."""
         if not decode_s or self.share is None or self.rate is None:
             return self.cap
-        paced = max(self.floor, int(self.rate * self.share * decode_s))
+        share = self.share * max(1.0, prefilling / max(1, decoding))
+        paced = max(self.floor, int(self.rate * share * decode_s))
         return paced if self.cap is None else min(self.cap, paced)
 
     def observe(self, tokens: int, seconds: float):

@@ -194,7 +194,7 @@ class LLM:
         admitted = self.scheduler.admit()
         stats.prompt_tokens += sum(len(s.prompt_ids) for s in admitted)
         stats.cached_tokens += sum(s.cached_tokens for s in admitted)
-        chunks = self.scheduler.chunks(self.pacer.budget(done.decode_s))
+        chunks = self.scheduler.chunks(self.pacer.budget(done.decode_s, self.scheduler.prefilling(), len(batch)))
         if chunks:
             t0 = time.perf_counter()
             seqs, counts = [s for s, _ in chunks], [n for _, n in chunks]

@@ -225,6 +225,10 @@ class Scheduler:
                     break
         return out
 
+    def prefilling(self) -> int:
+        """How many running sequences still wait for part of their prompt."""
+        return sum(s.prefilling and s.prefilled < len(s.prompt_ids) and not s.finished for s in self.running)
+
     def decoding(self) -> list[Sequence]:
         """The running sequences a decoding round advances (prompt wholly in the cache, not finished)."""
         return [s for s in self.running if not s.finished and not s.prefilling]

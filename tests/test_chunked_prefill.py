@@ -102,6 +102,7 @@ def test_the_budget_is_shared_first_come_first_served():
     assert not a.prefilling and s.decoding() == [a]
     assert [(x is b, n) for x, n in s.chunks(10)] == [(True, 9), (False, 1)]
     assert [n for _, n in s.chunks(None)] == [9, 5]
+    assert s.prefilling() == 2                        # b and c; a decodes
 
 
 def test_the_pacer_gives_prefill_about_the_decoding_rounds_time():
@@ -113,6 +114,15 @@ def test_the_pacer_gives_prefill_about_the_decoding_rounds_time():
     pacer.observe(100, 1.0)                                          # the rate follows: 0.7 * 400 + 0.3 * 100
     assert pacer.budget(0.1) == 31
     assert PrefillPacer(cap=None, share=None).budget(0.1) is None   # unchunked
+
+
+def test_the_pacers_share_grows_with_the_prompts_waiting_per_decoding_sequence():
+    pacer = PrefillPacer(cap=512, share=1.0, floor=16)
+    pacer.observe(400, 1.0)
+    assert pacer.budget(0.1, prefilling=2, decoding=8) == 40       # fewer wait than decode: the base share
+    assert pacer.budget(0.1, prefilling=8, decoding=8) == 40
+    assert pacer.budget(0.1, prefilling=24, decoding=8) == 120     # 3 waiting per decoding sequence: 3x
+    assert pacer.budget(0.1, prefilling=64, decoding=1) == 512     # never past the cap
 
 
 def test_a_paced_llm_prefills_less_while_streams_decode(tiny):
