@@ -101,8 +101,8 @@ class LlamaCpp:
 class LlamaCppNative:
     """llama.cpp's own `llama-completion` binary, one run per prompt."""
 
-    def __init__(self, bin_dir: Path, path: Path, threads: int):
-        self.exe, self.path, self.threads = Path(bin_dir) / "llama-completion", path, threads
+    def __init__(self, bin_dir: Path, path: Path, threads: int, batch: int):
+        self.exe, self.path, self.threads, self.batch = Path(bin_dir) / "llama-completion", path, threads, batch
         if not self.exe.is_file():
             raise ImportError(f"{self.exe} is not built (bash benchmarks/build_llama_cpp.sh)")
 
@@ -112,7 +112,8 @@ class LlamaCppNative:
         import re
         import subprocess
         cmd = [str(self.exe), "-m", str(self.path), "-t", str(self.threads), "-tb", str(self.threads), "-c", "2048",
-               "-n", str(n), "--temp", "0", "--ignore-eos", "-no-cnv", "--no-warmup", "-p", text]
+               "-n", str(n), "-ub", str(self.batch), "--temp", "0", "--ignore-eos", "-no-cnv", "--no-warmup",
+               "-p", text]
         done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         # "llama_perf_context_print:" (or, in newer builds, "<time> I common_perf_print:") then the timer
         line = r"^.*?(?:llama_perf_context_print|common_perf_print):\s+"
@@ -130,9 +131,9 @@ class LlamaCppNative:
 class LlamaCppEagle3:
     """llama.cpp's EAGLE-3 drafting (`llama-speculative-simple`) with the shipped head, one run per prompt."""
 
-    def __init__(self, bin_dir: Path, path: Path, threads: int, drafts: int):
+    def __init__(self, bin_dir: Path, path: Path, threads: int, batch: int, drafts: int):
         self.exe, self.head = Path(bin_dir) / "llama-speculative-simple", Path(bin_dir) / "eagle3-head.gguf"
-        self.path, self.threads, self.drafts = path, threads, drafts
+        self.path, self.threads, self.batch, self.drafts = path, threads, batch, drafts
         for f in (self.exe, self.head):
             if not f.is_file():
                 raise ImportError(f"{f} is not built (bash benchmarks/build_llama_cpp.sh)")
@@ -145,7 +146,7 @@ class LlamaCppEagle3:
         t = str(self.threads)
         cmd = [str(self.exe), "-m", str(self.path), "-md", str(self.head), "--spec-type", "draft-eagle3",
                "--spec-draft-n-max", str(self.drafts), "-t", t, "-tb", t, "-td", t, "-c", "2048", "-n", str(n),
-               "--temp", "0", "--ignore-eos", "-p", text]
+               "-ub", str(self.batch), "--temp", "0", "--ignore-eos", "-p", text]
         done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         counters = dict((kind, (int(k), float(s))) for kind, k, s in re.findall(
             r"^.*?(encoded|decoded)\s+(\d+) tokens in\s+([\d.]+) seconds", done.stderr, re.M))
@@ -191,8 +192,17 @@ def serve(conn, kind: str, args: tuple):
     except (ValueError, OSError) as e:  # a bad --weights / --model, an unreadable file
         return conn.send(f"error: {e}")
     conn.send("ready")
-    while (msg := conn.recv()) is not None:
-        conn.send(getattr(obj, msg[0])(*msg[1]))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the parent has gone
+            return
+        if msg is None:
+            return
+        try:
+            conn.send(getattr(obj, msg[0])(*msg[1]))
+        except ValueError as e:  # a peer's binary failed on this prompt
+            conn.send(RuntimeError(str(e)))
 
 
 class Worker:
@@ -202,11 +212,14 @@ class Worker:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=serve, args=(child, kind, args), daemon=True)
         self.proc.start()
-        self.status = self.conn.recv()
+        self.kind, self.status = kind, self.conn.recv()
 
     def call(self, name: str, *args):
         self.conn.send((name, args))
-        return self.conn.recv()
+        out = self.conn.recv()
+        if isinstance(out, RuntimeError):
+            raise RuntimeError(f"{self.kind}: {out}")
+        return out
 
     def run(self, ids: list[int], n: int):
         return self.call("run", ids, n)
@@ -215,6 +228,26 @@ class Worker:
         if self.status == "ready":
             self.conn.send(None)
         self.proc.join()
+
+
+def measure(contenders: dict, prompts: list[list[int]], max_tokens: int) -> tuple[dict, dict, dict]:
+    """Every contender on every prompt, alternated prompt by prompt (after one warm-up prompt). -> decode tok/s,
+    end-to-end tok/s and outputs, per contender and prompt."""
+    for ids in prompts[:1]:  # warm-up: first-call allocations, the policy's first timings
+        for run in contenders.values():
+            run(ids, 16)
+    decode, e2e, outputs = ({name: [] for name in contenders} for _ in range(3))
+    names = list(contenders)
+    for i, ids in enumerate(prompts):
+        order = names[i % len(names):] + names[:i % len(names)]
+        for name in order:
+            out, first_s, total_s = contenders[name](ids, max_tokens)
+            assert len(out) == max_tokens, (name, len(out))
+            decode[name].append((len(out) - 1) / (total_s - first_s))
+            e2e[name].append(len(out) / total_s)
+            outputs[name].append(out)
+        print(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{n} {decode[n][-1]:.1f}" for n in names), flush=True)
+    return decode, e2e, outputs
 
 
 def main(argv=None):
@@ -226,8 +259,9 @@ def main(argv=None):
     p.add_argument("--weights", default="auto,bf16", help="comma-separated engine weight formats")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--llama-cpp-batch", type=int, default=512,
-                   help="llama.cpp's prompt batch; 1 evaluates the prompt token by token (its decode speed is the "
-                        "same), for builds whose batched kernels fail on a machine")
+                   help="llama.cpp's prompt batch (native: its micro-batch, -ub); 1 evaluates the prompt token by "
+                        "token (its decode speed is the same), for builds whose batched kernels fail on a machine "
+                        "(native llama.cpp 0.3.36's AMX build segfaults in prompt eval on the AMX Xeon)")
     p.add_argument("--llama-cpp-bin", help="directory of native llama.cpp binaries (bash "
                    "benchmarks/build_llama_cpp.sh prints it); without it native llama.cpp is left out")
     p.add_argument("--llama-cpp-draft", type=int, default=3, help="native llama.cpp EAGLE-3's drafts a round")
@@ -250,12 +284,12 @@ def main(argv=None):
         print("llama-cpp-python is not installed (pip install llama-cpp-python): llama.cpp is left out", file=sys.stderr)
         workers.pop("llama.cpp").close()
     if args.llama_cpp_bin:
-        native = Worker("llama.cpp native", Path(args.llama_cpp_bin), src.path, args.threads)
+        native = Worker("llama.cpp native", Path(args.llama_cpp_bin), src.path, args.threads, args.llama_cpp_batch)
         if native.status != "ready":
             sys.exit(f"e2e_cpu_peers: native llama.cpp: {native.status}")
         workers["llama.cpp native"] = native
         eagle3 = Worker("llama.cpp native eagle3", Path(args.llama_cpp_bin), src.path, args.threads,
-                        args.llama_cpp_draft)
+                        args.llama_cpp_batch, args.llama_cpp_draft)
         if eagle3.status == "ready":
             workers["llama.cpp native eagle3"] = eagle3
         else:
@@ -274,22 +308,13 @@ def main(argv=None):
     for name in ("llama.cpp native", "llama.cpp native eagle3"):  # they take the prompt as text
         if name in workers:
             contenders[name] = lambda ids, n, w=workers[name]: w.run(texts[tuple(ids)], n)
-    for ids in prompts[:1]:  # warm-up: first-call allocations, the policy's first timings
-        for run in contenders.values():
-            run(ids, 16)
-    decode = {name: [] for name in contenders}
-    e2e = {name: [] for name in contenders}
-    outputs = {name: [] for name in contenders}
+    try:
+        decode, e2e, outputs = measure(contenders, prompts, args.max_tokens)
+    except RuntimeError as e:
+        sys.exit(f"e2e_cpu_peers: {e}\n(a llama.cpp build whose batched prompt kernels crash here runs with "
+                 "--llama-cpp-batch 1)")
     names = list(contenders)
-    for i, ids in enumerate(prompts):
-        order = names[i % len(names):] + names[:i % len(names)]
-        for name in order:
-            out, first_s, total_s = contenders[name](ids, args.max_tokens)
-            assert len(out) == args.max_tokens, (name, len(out))
-            decode[name].append((len(out) - 1) / (total_s - first_s))
-            e2e[name].append(len(out) / total_s)
-            outputs[name].append(out)
-        print(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{n} {decode[n][-1]:.1f}" for n in names), flush=True)
+
 
     same = {w: sum(a == b for a, b in zip(outputs[f"engine vanilla ({w})"], outputs[f"engine auto ({w})"]))
             for w in weights}

@@ -23,7 +23,7 @@ def peers():
 def fake_binary(directory: Path, stderr: str, code: int = 0):
     directory.mkdir(exist_ok=True)
     exe = directory / "llama-completion"
-    exe.write_text(f"#!/bin/sh\ncat >&2 <<'EOF'\n{stderr}EOF\nexit {code}\n")
+    exe.write_text(f"#!/bin/sh\necho \"$@\" > '{directory}/args'\ncat >&2 <<'EOF'\n{stderr}EOF\nexit {code}\n")
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
 
 
@@ -36,9 +36,10 @@ def test_native_llama_cpp_reads_its_own_timers(tmp_path, prefix):
         timers = "".join(prefix + line.replace("llama_perf_context_print", "common_perf_print") + "\n"
                          for line in timers.splitlines())
     fake_binary(tmp_path / "bin", "load_tensors: ...\n" + timers)
-    native = module.LlamaCppNative(tmp_path / "bin", tmp_path / "model.gguf", 2)
+    native = module.LlamaCppNative(tmp_path / "bin", tmp_path / "model.gguf", 2, 1)
     out, first_s, total_s = native.run("<|im_start|>user\nhi<|im_end|>\n", 128)
     assert len(out) == 128 and first_s == pytest.approx(0.05) and total_s == pytest.approx(0.685)
+    assert " -ub 1 " in (tmp_path / "bin" / "args").read_text()  # the micro-batch asked for
     with pytest.raises(ValueError, match="generated 128 tokens, not 64"):
         native.run("hi", 64)
 
@@ -46,10 +47,10 @@ def test_native_llama_cpp_reads_its_own_timers(tmp_path, prefix):
 def test_native_llama_cpp_failures_are_clear(tmp_path):
     module = peers()
     with pytest.raises(ImportError, match="build_llama_cpp.sh"):
-        module.LlamaCppNative(tmp_path / "nowhere", tmp_path / "model.gguf", 2)
+        module.LlamaCppNative(tmp_path / "nowhere", tmp_path / "model.gguf", 2, 512)
     fake_binary(tmp_path / "bin", "error: failed to load model\n", code=1)
     with pytest.raises(ValueError, match=r"llama-completion failed \(1\).*failed to load model"):
-        module.LlamaCppNative(tmp_path / "bin", tmp_path / "model.gguf", 2).run("hi", 8)
+        module.LlamaCppNative(tmp_path / "bin", tmp_path / "model.gguf", 2, 512).run("hi", 8)
 
 
 def test_native_llama_cpp_eagle3_reads_its_counters(tmp_path):
@@ -57,14 +58,14 @@ def test_native_llama_cpp_eagle3_reads_its_counters(tmp_path):
     module = peers()
     bin_dir = tmp_path / "bin"
     with pytest.raises(ImportError, match="llama-speculative-simple is not built"):
-        module.LlamaCppEagle3(bin_dir, tmp_path / "model.gguf", 2, 3)
+        module.LlamaCppEagle3(bin_dir, tmp_path / "model.gguf", 2, 512, 3)
     fake_binary(bin_dir, "0.01.854.073 I encoded   11 tokens in    0.100 seconds, speed:  110.000 t/s\n"
                          "0.01.854.103 I decoded  130 tokens in    1.300 seconds, speed:  100.000 t/s\n")
     (bin_dir / "llama-completion").rename(bin_dir / "llama-speculative-simple")
     with pytest.raises(ImportError, match="eagle3-head.gguf is not built"):
-        module.LlamaCppEagle3(bin_dir, tmp_path / "model.gguf", 2, 3)
+        module.LlamaCppEagle3(bin_dir, tmp_path / "model.gguf", 2, 512, 3)
     (bin_dir / "eagle3-head.gguf").write_bytes(b"")
-    eagle3 = module.LlamaCppEagle3(bin_dir, tmp_path / "model.gguf", 2, 3)
+    eagle3 = module.LlamaCppEagle3(bin_dir, tmp_path / "model.gguf", 2, 512, 3)
     out, first_s, total_s = eagle3.run("hi", 128)
     assert len(out) == 128 and first_s == pytest.approx(0.11) and total_s == pytest.approx(1.38)
     with pytest.raises(ValueError, match="decoded 130 tokens, not 256"):
