@@ -23,7 +23,12 @@ batch 1), and stops paying once the batch alone fills the device: then d* = 0.
   (rows = B * N_d verified tokens); with fewer than two distinct row counts measured there is no
   prediction and the shape is simply tried. A shape measured once counts as the lower of its sample and
   the prediction, so one slow first run (a noisy neighbour) does not lock a depth out.
-- Exploring: a new bucket starts at depth 0. Then the best measured depth is played, except that a depth
+- Drafting must promise MARGIN more than plain decoding (its value is discounted by 1 + MARGIN): the round
+  times it is judged by leave out what drafting costs around them (the head's weights and caches warming
+  again after a pause, the longer commit), and a close call is not worth a loss.
+- Exploring: a new bucket first plays depth 0 for SAMPLES rounds (the baseline every depth is weighed
+  against, measured over a window: a single cold first round must not make drafting look better than it
+  is). Then the best measured depth is played, except that a depth
   whose value is close to the best (or cannot be predicted yet) is tried once if it is unmeasured in this
   bucket, and re-probed (the stalest first) while re-probes have taken less than PROBE_SHARE of the
   bucket's time. A probe's cost includes catching the draft up on the rounds that drafted nothing (an EAGLE
@@ -43,6 +48,7 @@ SLACK = 0.1         # a depth within 10% of the best is a close call, worth re-p
 AGING = 100         # ... and the margin grows by SLACK every AGING rounds its estimate goes unrefreshed
 PROBE_SHARE = 0.01  # of a bucket's round time, the most its re-probes may take
 REUSE = 8           # rounds a plain decision (the best depth, settled, no probe due) holds at the same batch size
+MARGIN = 0.1        # drafting's value is discounted by this much against plain decoding
 
 
 def bucket(batch: int) -> int:
@@ -85,10 +91,10 @@ class SpeculationPolicy:
             return held[1]
         self.held = None
         k, depths = bucket(batch), range(self.depth + 1)
-        if not any((k, d) in self.samples for d in depths):
+        if len(self.samples.get((k, 0), ())) < SAMPLES and not any((k, d) in self.samples for d in depths[1:]):
             return 0  # a new bucket starts with the cheapest round, the baseline every depth is compared with
         seconds = [self.seconds(batch, d) for d in depths]
-        value = [float("inf") if t is None else batch * self.expected_tokens(d) / max(t, 1e-9)
+        value = [float("inf") if t is None else batch * self.expected_tokens(d) / max(t, 1e-9) / (1 + MARGIN * (d > 0))
                  for d, t in zip(depths, seconds)]
         best = max((d for d in depths if (k, d) in self.samples), key=lambda d: value[d])
         rounds, tried, floor = self.rounds, self.tried, (1 - SLACK) * value[best]
