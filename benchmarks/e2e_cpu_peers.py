@@ -6,8 +6,9 @@
 Contenders, each in its own process (no shared thread pools or caches between them), alternated prompt by
 prompt (each prompt runs through every contender back to back, in an order that rotates, so load drift on a
 shared machine hits all alike):
-  - this engine, vanilla and the default method (`auto`: EAGLE-3 with adaptive depth), per weight format
-    (--weights: auto = the GGUF's own Q4_1/Q8_0 blocks, bf16 = dequantized);
+  - this engine, vanilla and the default method (`auto`: EAGLE-3 with adaptive depth; --methods adds others,
+    e.g. `eagle3`, the fixed CPU chain), per weight format (--weights: auto = the GGUF's own Q4_1/Q8_0 blocks,
+    bf16 = dequantized);
   - llama.cpp through llama-cpp-python (optional: `pip install llama-cpp-python`; the same GGUF file, the
     same threads), greedy;
   - native llama.cpp (optional: --llama-cpp-bin, the binaries `bash benchmarks/build_llama_cpp.sh` builds from
@@ -257,6 +258,8 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--weights", default="auto,bf16", help="comma-separated engine weight formats")
+    p.add_argument("--methods", default="vanilla,auto",
+                   help="comma-separated engine methods (vanilla first; e.g. vanilla,auto,eagle3 to see a fixed chain)")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--llama-cpp-batch", type=int, default=512,
                    help="llama.cpp's prompt batch (native: its micro-batch, -ub); 1 evaluates the prompt token by "
@@ -273,9 +276,11 @@ def main(argv=None):
     src = resolve_model(args.model)
     if src.kind != "gguf":
         p.error(f"--model must be a GGUF model (llama.cpp reads GGUF), got {src.path}")
-    weights = args.weights.split(",")
+    weights, methods = args.weights.split(","), args.methods.split(",")
+    if methods[0] != "vanilla" or len(set(methods)) != len(methods):
+        p.error(f"--methods must start with vanilla and name each method once, got {args.methods}")
     workers = {f"engine {m} ({w})": Worker("engine", args.model, w, args.threads, m) for w in weights
-               for m in ("vanilla", "auto")}
+               for m in methods}
     for name, w in workers.items():
         if w.status != "ready":
             sys.exit(f"e2e_cpu_peers: {name}: {w.status}")
@@ -316,8 +321,8 @@ def main(argv=None):
     names = list(contenders)
 
 
-    same = {w: sum(a == b for a, b in zip(outputs[f"engine vanilla ({w})"], outputs[f"engine auto ({w})"]))
-            for w in weights}
+    same = {f"{m} ({w})": sum(a == b for a, b in zip(outputs[f"engine vanilla ({w})"], outputs[f"engine {m} ({w})"]))
+            for w in weights for m in methods[1:]}
     ref = next((r for r in ("llama.cpp native", "llama.cpp") if r in contenders), None)
     med = {n: statistics.median(decode[n]) for n in names}
     print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy, {args.threads} threads, batch 1")
@@ -328,8 +333,9 @@ def main(argv=None):
         if ref:  # the median of per-prompt ratios: both ran on the same prompt back to back
             row += f" {statistics.median(a / b for a, b in zip(decode[n], decode[ref])):.2f} |"
         print(row)
-    for w, k in same.items():
-        print(f"engine auto ({w}) output == engine vanilla ({w}) output: {k}/{len(prompts)} prompts")
+    for name, k in same.items():
+        w = name.split(" (")[1][:-1]
+        print(f"engine {name} output == engine vanilla ({w}) output: {k}/{len(prompts)} prompts")
     if "llama.cpp" in contenders and "engine vanilla (auto)" in contenders:
         agree = sum(a == b for a, b in zip(outputs["llama.cpp"], outputs["engine vanilla (auto)"]))
         print(f"llama.cpp output == engine vanilla (auto) output: {agree}/{len(prompts)} prompts "

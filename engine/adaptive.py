@@ -183,15 +183,29 @@ class PrefillPacer:
     def __init__(self, cap: int | None, share: float | None, floor: int = 16, decay: float = 0.7):
         self.cap, self.share, self.floor, self.decay = cap, share, floor, decay
         self.rate: float | None = None
+        self.round_s: float | None = None  # the last decoding round's seconds (a mixed step's: its chunk's taken off)
 
-    def budget(self, decode_s: float, prefilling: int = 1, decoding: int = 1) -> int | None:
-        """Prompt tokens this step may prefill after a decoding round of decode_s seconds (0: none ran) of
-        `decoding` sequences, `prefilling` sequences waiting for the rest of their prompts."""
+    def budget(self, decode_s: float | None, prefilling: int = 1, decoding: int = 1) -> int | None:
+        """Prompt tokens this step may prefill beside a decoding round of decode_s seconds (0: none runs;
+        None: not measured yet, so the floor) of `decoding` sequences, `prefilling` sequences waiting for the
+        rest of their prompts."""
+        if decode_s is None and self.share is not None:
+            return self.floor if self.cap is None else min(self.cap, self.floor)
         if not decode_s or self.share is None or self.rate is None:
             return self.cap
         share = self.share * max(1.0, prefilling / max(1, decoding))
         paced = max(self.floor, int(self.rate * share * decode_s))
         return paced if self.cap is None else min(self.cap, paced)
+
+    def observe_round(self, seconds: float, prefilled: int = 0) -> float:
+        """A decoding round took `seconds`, `prefilled` prompt tokens of a chunk in its forward (a mixed step)
+        -> the decoding part's seconds: the chunk's tokens at the prefill rate measured so far taken off (at
+        least a tenth of the step left), which paces the next mixed step's chunk."""
+        part = seconds
+        if prefilled and self.rate:
+            part = max(0.1 * seconds, seconds - prefilled / self.rate)
+        self.round_s = part
+        return part
 
     def observe(self, tokens: int, seconds: float):
         if seconds > 0:

@@ -48,6 +48,7 @@ class Decoder:
     adaptive = False  # an adaptive policy (engine/adaptive.py) picks each round's depth, 0 .. max_depth
     capture = ()   # target layers whose inputs a step hands to `store` ...
     capture_into = None  # ... or writes to this [slots, len(capture) * H] store, by slot, in the forward
+    mixes = True   # a depth-0 round may carry a prefill chunk in its forward (step's `chunk`)
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, blocks):
         self.runner, self.sampler, self.blocks = runner, sampler, blocks
@@ -61,32 +62,38 @@ class Decoder:
         """What a method keeps of every target step, per token: slots int64 [T] (padded rows: the scratch
         block), feature [T, H], the `capture` layers' inputs [T, H] each. Runs inside the step's graph."""
 
-    def prefill_target(self, seqs: list[Sequence], counts: list[int]) -> "Verdict":
+    def prefill_target(self, seqs: list[Sequence], counts: list[int], lead: list[Sequence] = ()) -> "Verdict":
         """The target over counts[b] more prompt tokens of each sequence (after its prefilled ones, a cached
         prefix included) -> the first token of each sequence whose prompt this completes ([] for the others),
-        and the prompt logprobs of the chunk's tokens for those asking."""
-        starts = [s.prefilled for s in seqs]
-        meta, pos, ids = self.runner.meta(self.plan(seqs, starts, counts),
-                                          ids=[t for s, a, n in zip(seqs, starts, counts) for t in s.prompt_ids[a:a + n]])
+        and the prompt logprobs of the chunk's tokens for those asking.
+        With `lead` sequences (a decode step's, in the same forward: a row each at its last token, before the
+        prompts' rows, and one sampler pass over theirs and the completed prompts' rows) -> the lead's decode
+        Verdict, the chunk's as its `prefill`."""
+        B, starts = len(lead), [s.prefilled for s in seqs]
+        ids = [s.all_ids[-1] for s in lead] + [t for s, a, n in zip(seqs, starts, counts) for t in s.prompt_ids[a:a + n]]
+        plan = self.plan([*lead, *seqs], [cached_len(s) for s in lead] + starts, [1] * B + counts)
+        meta, pos, ids = self.runner.meta(plan, ids=ids)
         feature, captured = self.model(ids, pos, self.runner.layers, meta, self.capture, self.capture_into)
         self.store(meta.slot_mapping, feature, captured)
-        ends = []
+        ends = [B]
         for n in counts:
-            ends.append((ends[-1] if ends else 0) + n)
+            ends.append(ends[-1] + n)
         done = [b for b, (s, a, n) in enumerate(zip(seqs, starts, counts)) if a + n == len(s.prompt_ids)]
         verdict = Verdict([[] for _ in seqs])
-        if done:
-            last = self.runner.index([ends[b] - 1 for b in done])
-            first = self.sampled([seqs[b] for b in done],
-                                 self.sampler.adjust(self.model.logits(feature.index_select(0, last)), [seqs[b] for b in done]))
+        picked = [*lead, *(seqs[b] for b in done)]
+        if picked:
+            rows = self.runner.index(list(range(B)) + [ends[b + 1] - 1 for b in done])
+            first = self.sampled(picked, self.sampler.adjust(self.model.logits(feature.index_select(0, rows)), picked))
             verdict.logprobs = None if first.logprobs is None else [None] * len(seqs)
-            for i, b in enumerate(done):
+            for i, b in enumerate(done, B):
                 verdict.new_tokens[b] = first.new_tokens[i]
                 if first.logprobs is not None:
                     verdict.logprobs[b] = first.logprobs[i]
         if any(s.params.prompt_logprobs is not None for s in seqs):
-            verdict.prompt_logprobs = self.prompt_logprobs(seqs, feature, starts, counts)
-        return verdict
+            verdict.prompt_logprobs = self.prompt_logprobs(seqs, feature[B:], starts, counts)
+        if not lead:
+            return verdict
+        return Verdict(first.new_tokens[:B], logprobs=first.logprobs and first.logprobs[:B], prefill=verdict)
 
     def prompt_logprobs(self, seqs: list[Sequence], feature: torch.Tensor, starts: list[int], counts: list[int],
                         chunk: int = 256):
@@ -111,8 +118,15 @@ class Decoder:
             out.append([None] * (a == 0) + [(r[0], [(int(t), v) for t, v in zip(r[1:1 + k], r[1 + k:])]) for r in rows])
         return out
 
-    def decode(self, seqs: list[Sequence]) -> "Verdict":
-        """One target forward over each sequence's last token. -> next tokens."""
+    def admit(self, seqs: list[Sequence]):
+        """Sequences whose prompts start prefilling (a method's own state per sequence)."""
+
+    def decode(self, seqs: list[Sequence], chunk: "Chunk | None" = None) -> "Verdict":
+        """One target forward over each sequence's last token. -> next tokens. With a prefill `chunk`, its
+        prompt tokens go in the same forward (prefill_target: the chunk's verdict is the result's `prefill`)."""
+        if chunk:
+            self.admit(chunk.seqs)
+            return self.prefill_target(chunk.seqs, chunk.counts, lead=seqs)
         B = len(seqs)
         Bp = self.runner.batch_rows(B)
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [1] * B).padded(Bp)
@@ -156,8 +170,8 @@ class VanillaDecoder(Decoder):
     def prefill(self, seqs: list[Sequence], counts: list[int]) -> "Verdict":
         return self.prefill_target(seqs, counts)
 
-    def step(self, seqs: list[Sequence], depth: int = 0) -> "Verdict":
-        return self.decode(seqs)
+    def step(self, seqs: list[Sequence], depth: int = 0, chunk: "Chunk | None" = None) -> "Verdict":
+        return self.decode(seqs, chunk)
 
 
 @dataclass
@@ -170,6 +184,13 @@ class Draft:
 
 
 @dataclass
+class Chunk:
+    """A step's prefill: counts[b] more prompt tokens of seqs[b]."""
+    seqs: list[Sequence]
+    counts: list[int]
+
+
+@dataclass
 class Verdict:
     """A round's outcome on the host (one copy)."""
     new_tokens: list[list[int]]    # per sequence: the accepted drafts + the bonus / corrected token
@@ -177,6 +198,7 @@ class Verdict:
     backlog_s: float = 0.0         # of the round's time, feeding the draft what earlier rounds left it
     logprobs: list[list[TokenLogprob] | None] | None = None  # per sequence asking: one per new token
     prompt_logprobs: list | None = None  # prefill: per sequence asking, its chunk's Sequence.prompt_logprobs
+    prefill: "Verdict | None" = None     # a round that carried a prefill chunk: the chunk's verdict
 
     @property
     def lengths(self) -> list[int]:
@@ -204,12 +226,14 @@ class SpeculativeDecoder(Decoder):
         self._stats = SpecStats()
         self.timing = timing
 
-    def step(self, seqs: list[Sequence], depth: int = 0) -> Verdict:
+    def step(self, seqs: list[Sequence], depth: int = 0, chunk: Chunk | None = None) -> Verdict:
         caps = depth_caps(seqs, self.model.cfg.max_position)
         depth = round_depth(depth, caps)
+        if chunk and depth:
+            raise ValueError("a prefill chunk rides only on a round that drafts nothing")
         if not depth:
             with self.timer("verify_s"):
-                verdict = self.decode(seqs)
+                verdict = self.decode(seqs, chunk)
         else:
             with self.timer("draft_s"):
                 draft = self.draft(seqs, depth, caps)

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from .adaptive import PrefillPacer, SpeculationPolicy
-from .decoding import Verdict, depth_caps, round_depth
+from .decoding import Chunk, Verdict, depth_caps, round_depth
 from .device import CUDA_KV_SHARE, defaults, resolve_device
 from .grammar import Grammars
 from .loader import DEFAULT_MODEL, default_weights, load_model, load_tokenizer
@@ -169,50 +169,75 @@ class LLM:
 
     @torch.inference_mode()
     def step(self, stats: RunStats, on_tokens: Callable[[Sequence, list[int]], None] | None = None) -> Round:
-        """One round: a decoding round of the sequences whose prompts are in, then the next chunk of the
-        prompts still prefilling (admitted ones first join them). `on_tokens(seq, kept)` sees each sequence's
-        new tokens before finished ones retire (it may finish a sequence itself, e.g. on a stop string)."""
+        """One round: a decoding round of the sequences whose prompts are in, and the next chunk of the prompts
+        still prefilling (admitted ones first join them): inside the round's forward when the round drafts
+        nothing (a mixed step; not with CUDA graphs, whose decode steps are fixed), else in a forward of its
+        own after it. `on_tokens(seq, kept)` sees each sequence's new tokens before finished ones retire (it
+        may finish a sequence itself, e.g. on a stop string)."""
         done = Round([])
         batch = self.scheduler.decoding()
+        chunk = None
         if batch:
             t0 = time.perf_counter()
             self.scheduler.prepare(batch)
             planned = self.policy.choose(len(batch)) if self.policy else self.decoder.max_depth
+            if not planned and self.decoder.mixes and not self.runner.cuda_graphs:
+                chunk = self._chunk(stats, self.pacer.round_s, len(batch))
             built = len(self.decoder.graphs)
-            verdict = self.decoder.step(batch, planned)
-            done.decode_s = time.perf_counter() - t0
+            verdict = self.decoder.step(batch, planned, chunk)
+            seconds = time.perf_counter() - t0
+            done.decode_s = self.pacer.observe_round(seconds, sum(chunk.counts) if chunk else 0)
             if self.policy:
                 # A round that built a step shape is no sample: graph capture and compilation on a GPU,
                 # first-use allocations and the head's fused weights on a CPU (~1.5x a steady round, enough
-                # to rule a depth out).
-                self._observe(batch, planned, verdict, None if len(self.decoder.graphs) > built else done.decode_s)
+                # to rule a depth out); nor is one that carried a prefill chunk.
+                sample = None if chunk or len(self.decoder.graphs) > built else seconds
+                self._observe(batch, planned, verdict, sample)
             stats.decode_s += done.decode_s
+            stats.prefill_s += seconds - done.decode_s
             stats.steps += 1
             done.depth = verdict.depth
             done.lengths = self._commit(batch, verdict, stats, on_tokens)
+            if chunk:
+                self._prefilled(chunk, verdict.prefill, stats, on_tokens)
+                done.prefilled = sum(chunk.counts)
             done.finished = self.scheduler.retire_finished()  # their room goes to the admission below
+        if not chunk:
+            chunk = self._chunk(stats, done.decode_s, len(batch))
+            if chunk:
+                t0 = time.perf_counter()
+                verdict = self.decoder.prefill(chunk.seqs, chunk.counts)
+                seconds = time.perf_counter() - t0
+                self.pacer.observe(sum(chunk.counts), seconds)
+                stats.prefill_s += seconds
+                self._prefilled(chunk, verdict, stats, on_tokens)
+                done.prefilled = sum(chunk.counts)
+        done.finished += self.scheduler.retire_finished()
+        return done
+
+    def _chunk(self, stats: RunStats, decode_s: float, decoding: int) -> Chunk | None:
+        """Admit what fits, then this step's prefill chunk, paced by a decoding round of decode_s seconds
+        of `decoding` sequences (0: none), with room reserved for it."""
         admitted = self.scheduler.admit()
         stats.prompt_tokens += sum(len(s.prompt_ids) for s in admitted)
         stats.cached_tokens += sum(s.cached_tokens for s in admitted)
-        chunks = self.scheduler.chunks(self.pacer.budget(done.decode_s, self.scheduler.prefilling(), len(batch)))
-        if chunks:
-            t0 = time.perf_counter()
-            seqs, counts = [s for s, _ in chunks], [n for _, n in chunks]
-            self.scheduler.prepare(seqs, counts)
-            verdict = self.decoder.prefill(seqs, counts)
-            seconds = time.perf_counter() - t0
-            self.pacer.observe(sum(counts), seconds)
-            stats.prefill_s += seconds
-            for seq, n, prompt in zip(seqs, counts, verdict.prompt_logprobs or [None] * len(seqs)):
-                if prompt is not None:
-                    seq.prompt_logprobs += prompt
-                self.scheduler.advance(seq, n)
-            first = [b for b, t in enumerate(verdict.new_tokens) if t]
-            self._commit([seqs[b] for b in first], Verdict([verdict.new_tokens[b] for b in first],
-                         logprobs=verdict.logprobs and [verdict.logprobs[b] for b in first]), stats, on_tokens)
-            done.prefilled = sum(counts)
-        done.finished += self.scheduler.retire_finished()
-        return done
+        chunks = self.scheduler.chunks(self.pacer.budget(decode_s, self.scheduler.prefilling(), decoding))
+        if not chunks:
+            return None
+        chunk = Chunk([s for s, _ in chunks], [n for _, n in chunks])
+        self.scheduler.prepare(chunk.seqs, chunk.counts)
+        return chunk
+
+    def _prefilled(self, chunk: Chunk, verdict: Verdict, stats: RunStats,
+                   on_tokens: Callable[[Sequence, list[int]], None] | None):
+        """Apply a prefill chunk's verdict: prompt logprobs, the prefilled counts, completed prompts' first tokens."""
+        for seq, n, prompt in zip(chunk.seqs, chunk.counts, verdict.prompt_logprobs or [None] * len(chunk.seqs)):
+            if prompt is not None:
+                seq.prompt_logprobs += prompt
+            self.scheduler.advance(seq, n)
+        first = [b for b, t in enumerate(verdict.new_tokens) if t]
+        self._commit([chunk.seqs[b] for b in first], Verdict([verdict.new_tokens[b] for b in first],
+                     logprobs=verdict.logprobs and [verdict.logprobs[b] for b in first]), stats, on_tokens)
 
     def _commit(self, batch: list[Sequence], verdict: Verdict, stats: RunStats,
                 on_tokens: Callable[[Sequence, list[int]], None] | None) -> list[int]:

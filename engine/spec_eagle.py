@@ -121,9 +121,12 @@ class EagleDecoder(SpeculativeDecoder):
     def verify_widths(self) -> list[int]:
         return verify_tokens(self.tree)
 
-    def prefill(self, seqs: list[Sequence], counts: list[int]) -> Verdict:
+    def admit(self, seqs: list[Sequence]):
         for s in seqs:  # the head's KV over a shared prefix is there where the head had fed its blocks
             s.draft_state = s.draft_state or HeadCursor(self.blocks.side_prefix(s.seq_id, s.cached_tokens))
+
+    def prefill(self, seqs: list[Sequence], counts: list[int]) -> Verdict:
+        self.admit(seqs)
         return self.prefill_target(seqs, counts)
 
     def draft(self, seqs: list[Sequence], depth: int, caps: list[int]) -> Draft:

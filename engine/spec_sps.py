@@ -54,6 +54,7 @@ def load_draft(spec: str, target: Llama, dtype, device) -> tuple[Llama, LlamaCon
 
 class SpSDecoder(SpeculativeDecoder):
     causal = True
+    mixes = False  # its prefill runs the draft model over the prompt too
 
     def __init__(self, runner, sampler, blocks, draft: Llama, draft_cfg: LlamaConfig, k: int, timing=False):
         if k < 1:

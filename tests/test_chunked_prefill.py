@@ -148,6 +148,42 @@ def test_a_paced_llm_prefills_less_while_streams_decode(tiny):
     assert [long.output_ids, stream.output_ids] == [s.output_ids for s in ref]
 
 
+@pytest.mark.parametrize("name", ["vanilla", "eagle3-adaptive", "eagle3-chain", "sps"])
+def test_a_round_that_drafts_nothing_carries_the_chunk_in_its_forward(tiny, name):
+    """While a stream decodes, its plain decode round and the next prompt chunk run as one target forward (a
+    mixed step); a drafting round (a fixed chain) and SpS (whose prefill runs its draft model too) prefill in a
+    forward of their own. Outputs as with whole prompts."""
+    llm = make(tiny, 8, name)
+    if llm.policy:  # the adaptive policy's first rounds in a new batch bucket draft nothing
+        assert llm.policy.choose(1) == 0
+    forwards = []
+    hook = llm.model.register_forward_hook(lambda m, args, out: forwards.append(args[0].numel()))
+    stream = Sequence(PROMPTS[1], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    llm.scheduler.add(stream)
+    stats = RunStats()
+    while not stream.output_ids:
+        llm.step(stats)
+    long = Sequence(PROMPTS[2], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    llm.scheduler.add(long)
+    per_step = []
+    while not long.output_ids:
+        forwards.clear()
+        done = llm.step(stats)
+        assert done.prefilled and done.lengths
+        per_step.append(list(forwards))
+    hook.remove()
+    if name in ("vanilla", "eagle3-adaptive"):
+        assert all(len(f) == 1 and f[0] >= 1 + 1 for f in per_step), per_step  # the stream's row + the chunk's
+    else:
+        assert all(len(f) >= 2 for f in per_step), per_step
+    while llm.has_work:
+        llm.step(stats)
+    ref = make(tiny, 0, name, cache=False).generate([PROMPTS[2], PROMPTS[1]], [long.params, stream.params])[0]
+    assert [long.output_ids, stream.output_ids] == [s.output_ids for s in ref]
+    pool = llm.scheduler.blocks
+    assert pool.num_free == pool.num_blocks
+
+
 def test_identical_prompts_wait_for_the_chunks_they_share(tiny):
     """n copies of a prompt: the first prefills it chunk by chunk, the copies wait until its blocks are
     registered and share them; an unrelated request behind them is not held up."""
