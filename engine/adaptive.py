@@ -178,7 +178,8 @@ class PrefillPacer:
     as it prefills, and a fixed share lets that backlog grow until few sequences decode (a decoding round then
     yields less than the prefill it paces would have let in). At least one block's worth (`floor`) goes per
     step, so prompts always advance; never more than `cap` (None: no cap). With nothing decoding, or before
-    any prefill was timed, the cap."""
+    any prefill was timed, the cap. A round that drafts nothing carries the chunk in its own forward (a mixed
+    step, LLM.step): the round's time is then that of the last plain round (observe_round)."""
 
     def __init__(self, cap: int | None, share: float | None, floor: int = 16, decay: float = 0.7):
         self.cap, self.share, self.floor, self.decay = cap, share, floor, decay
@@ -199,12 +200,16 @@ class PrefillPacer:
 
     def observe_round(self, seconds: float, prefilled: int = 0) -> float:
         """A decoding round took `seconds`, `prefilled` prompt tokens of a chunk in its forward (a mixed step)
-        -> the decoding part's seconds: the chunk's tokens at the prefill rate measured so far taken off (at
-        least a tenth of the step left), which paces the next mixed step's chunk."""
-        part = seconds
-        if prefilled and self.rate:
-            part = max(0.1 * seconds, seconds - prefilled / self.rate)
-        self.round_s = part
+        -> the decoding part's seconds. A plain round's time paces the next chunk; a mixed step's decoding part
+        is taken to be the last plain round's (not its own estimate, which would feed the chunk's time back into
+        the next chunk's size), and the rest of it measures the prefill rate."""
+        if not prefilled:
+            self.round_s = seconds
+            return seconds
+        if self.round_s is None:  # no plain round yet: the chunk at the rate measured so far
+            return max(0.1 * seconds, seconds - prefilled / self.rate) if self.rate else 0.5 * seconds
+        part = min(self.round_s, 0.9 * seconds)
+        self.observe(prefilled, seconds - part)
         return part
 
     def observe(self, tokens: int, seconds: float):

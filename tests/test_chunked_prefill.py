@@ -125,6 +125,22 @@ def test_the_pacers_share_grows_with_the_prompts_waiting_per_decoding_sequence()
     assert pacer.budget(0.1, prefilling=64, decoding=1) == 512     # never past the cap
 
 
+def test_a_mixed_steps_chunk_does_not_pace_the_next_one():
+    """A mixed step's decoding part is the last plain round's time, and the rest of the step measures the
+    prefill rate: a chunk that ran slower than planned makes the next one smaller, never larger (the step's
+    own time fed back would grow each chunk until the cap)."""
+    pacer = PrefillPacer(cap=512, share=1.0, floor=16, decay=0.0)
+    pacer.observe(1000, 1.0)                          # 1000 tokens/s measured by a prefill of its own
+    assert pacer.observe_round(0.05) == 0.05          # a plain decoding round
+    assert pacer.budget(pacer.round_s, 1, 8) == 50
+    assert pacer.observe_round(0.2, prefilled=50) == 0.05   # the chunk took 0.15 s, not 0.05
+    assert pacer.rate == pytest.approx(50 / 0.15)
+    assert pacer.budget(pacer.round_s, 1, 8) == 16    # slower chunks: a smaller one (the floor)
+    for _ in range(5):
+        pacer.observe_round(0.5, prefilled=16)
+        assert pacer.round_s == 0.05 and pacer.budget(pacer.round_s, 1, 8) == 16
+
+
 def test_a_paced_llm_prefills_less_while_streams_decode(tiny):
     """With a generous cap, a long prompt arriving beside a decoding stream goes in chunks the pacer sizes
     (here: a slow measured prefill rate makes them its floor), and the output is unchanged."""
