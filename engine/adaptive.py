@@ -168,6 +168,7 @@ class SpeculationPolicy:
 
 
 class PrefillPacer:
+    REFRESH = 8  # every REFRESH-th step that could mix runs its round and its chunk apart, measuring both
     """How many prompt tokens a step prefills beside a decoding round (chunked prefill, engine/scheduler.py).
 
     While sequences decode, a step's prefill may take about `share` of its decoding round's time, at the
@@ -179,12 +180,14 @@ class PrefillPacer:
     yields less than the prefill it paces would have let in). At least one block's worth (`floor`) goes per
     step, so prompts always advance; never more than `cap` (None: no cap). With nothing decoding, or before
     any prefill was timed, the cap. A round that drafts nothing carries the chunk in its own forward (a mixed
-    step, LLM.step): the round's time is then that of the last plain round (observe_round)."""
+    step, LLM.step), paced by the last plain round's time and the prefill rate of the last chunks run apart
+    (`mix`)."""
 
     def __init__(self, cap: int | None, share: float | None, floor: int = 16, decay: float = 0.7):
         self.cap, self.share, self.floor, self.decay = cap, share, floor, decay
         self.rate: float | None = None
-        self.round_s: float | None = None  # the last decoding round's seconds (a mixed step's: its chunk's taken off)
+        self.round_s: float | None = None  # the last plain decoding round's seconds
+        self.mixed = 0                     # steps asked whether to mix
 
     def budget(self, decode_s: float | None, prefilling: int = 1, decoding: int = 1) -> int | None:
         """Prompt tokens this step may prefill beside a decoding round of decode_s seconds (0: none runs;
@@ -198,19 +201,22 @@ class PrefillPacer:
         paced = max(self.floor, int(self.rate * share * decode_s))
         return paced if self.cap is None else min(self.cap, paced)
 
+    def mix(self) -> bool:
+        """Whether this step's decoding round may carry its chunk (a mixed step). Every REFRESH-th such step
+        keeps them apart instead, so that both are measured again: a mixed step's own time cannot be split
+        into its round's and its chunk's (an estimate from it would feed each chunk's time into the next
+        chunk's size)."""
+        self.mixed += 1
+        return self.round_s is not None and self.mixed % self.REFRESH != 0
+
     def observe_round(self, seconds: float, prefilled: int = 0) -> float:
         """A decoding round took `seconds`, `prefilled` prompt tokens of a chunk in its forward (a mixed step)
-        -> the decoding part's seconds. A plain round's time paces the next chunk; a mixed step's decoding part
-        is taken to be the last plain round's (not its own estimate, which would feed the chunk's time back into
-        the next chunk's size), and the rest of it measures the prefill rate."""
+        -> the decoding part's seconds: a plain round's own, which paces the next chunks; a mixed step's, the
+        last plain round's."""
         if not prefilled:
             self.round_s = seconds
             return seconds
-        if self.round_s is None:  # no plain round yet: the chunk at the rate measured so far
-            return max(0.1 * seconds, seconds - prefilled / self.rate) if self.rate else 0.5 * seconds
-        part = min(self.round_s, 0.9 * seconds)
-        self.observe(prefilled, seconds - part)
-        return part
+        return min(self.round_s, 0.9 * seconds)
 
     def observe(self, tokens: int, seconds: float):
         if seconds > 0:

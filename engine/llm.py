@@ -181,7 +181,7 @@ class LLM:
             t0 = time.perf_counter()
             self.scheduler.prepare(batch)
             planned = self.policy.choose(len(batch)) if self.policy else self.decoder.max_depth
-            if not planned and self.decoder.mixes and not self.runner.cuda_graphs:
+            if not planned and self.decoder.mixes and not self.runner.cuda_graphs and self.pacer.mix():
                 chunk = self._chunk(stats, self.pacer.round_s, len(batch))
             built = len(self.decoder.graphs)
             verdict = self.decoder.step(batch, planned, chunk)
