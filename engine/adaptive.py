@@ -202,9 +202,9 @@ class PrefillPacer:
         return paced if self.cap is None else min(self.cap, paced)
 
     def mix(self) -> bool:
-        """Whether this step's decoding round may carry its chunk (a mixed step). Every REFRESH-th such step
-        keeps them apart instead, so that both are measured again: a mixed step's own time cannot be split
-        into its round's and its chunk's (an estimate from it would feed each chunk's time into the next
+        """Whether this step's decoding round may carry its chunk (a mixed step). Every REFRESH-th step with a
+        chunk keeps them apart instead, so that both are measured again: a mixed step's own time cannot be
+        split into its round's and its chunk's (an estimate from it would feed each chunk's time into the next
         chunk's size)."""
         self.mixed += 1
         return self.round_s is not None and self.mixed % self.REFRESH != 0

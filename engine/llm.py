@@ -170,19 +170,24 @@ class LLM:
     @torch.inference_mode()
     def step(self, stats: RunStats, on_tokens: Callable[[Sequence, list[int]], None] | None = None) -> Round:
         """One round: a decoding round of the sequences whose prompts are in, and the next chunk of the prompts
-        still prefilling (admitted ones first join them): inside the round's forward when the round drafts
-        nothing (a mixed step; not with CUDA graphs, whose decode steps are fixed), else in a forward of its
-        own after it. `on_tokens(seq, kept)` sees each sequence's new tokens before finished ones retire (it
-        may finish a sequence itself, e.g. on a stop string)."""
+        still prefilling (admitted ones first join them). A round that drafts nothing carries the chunk in its
+        own forward (a mixed step; not with CUDA graphs, whose decode steps are fixed), but for one step in
+        PrefillPacer.REFRESH, whose chunk runs apart just before it (both timed alone, and the streams still
+        get their tokens at the step's end); otherwise the chunk runs in a forward of its own after the round.
+        `on_tokens(seq, kept)` sees each sequence's new tokens before finished ones retire (it may finish a
+        sequence itself, e.g. on a stop string)."""
         done = Round([])
         batch = self.scheduler.decoding()
-        chunk = None
+        mixing = False
         if batch:
-            t0 = time.perf_counter()
             self.scheduler.prepare(batch)
             planned = self.policy.choose(len(batch)) if self.policy else self.decoder.max_depth
-            if not planned and self.decoder.mixes and not self.runner.cuda_graphs and self.pacer.mix():
-                chunk = self._chunk(stats, self.pacer.round_s, len(batch))
+            mixing = not planned and self.decoder.mixes and not self.runner.cuda_graphs
+            chunk = self._chunk(stats, self.pacer.round_s, len(batch)) if mixing else None
+            if chunk and not self.pacer.mix():
+                done.prefilled = self._prefill(chunk, stats, on_tokens)
+                chunk = None
+            t0 = time.perf_counter()
             built = len(self.decoder.graphs)
             verdict = self.decoder.step(batch, planned, chunk)
             seconds = time.perf_counter() - t0
@@ -202,18 +207,22 @@ class LLM:
                 self._prefilled(chunk, verdict.prefill, stats, on_tokens)
                 done.prefilled = sum(chunk.counts)
             done.finished = self.scheduler.retire_finished()  # their room goes to the admission below
-        if not chunk:
+        if not mixing:
             chunk = self._chunk(stats, done.decode_s, len(batch))
             if chunk:
-                t0 = time.perf_counter()
-                verdict = self.decoder.prefill(chunk.seqs, chunk.counts)
-                seconds = time.perf_counter() - t0
-                self.pacer.observe(sum(chunk.counts), seconds)
-                stats.prefill_s += seconds
-                self._prefilled(chunk, verdict, stats, on_tokens)
-                done.prefilled = sum(chunk.counts)
+                done.prefilled = self._prefill(chunk, stats, on_tokens)
         done.finished += self.scheduler.retire_finished()
         return done
+
+    def _prefill(self, chunk: Chunk, stats: RunStats, on_tokens: Callable[[Sequence, list[int]], None] | None) -> int:
+        """Run a prefill chunk in a forward of its own (the pacer times it). -> its prompt tokens."""
+        t0 = time.perf_counter()
+        verdict = self.decoder.prefill(chunk.seqs, chunk.counts)
+        seconds = time.perf_counter() - t0
+        self.pacer.observe(sum(chunk.counts), seconds)
+        stats.prefill_s += seconds
+        self._prefilled(chunk, verdict, stats, on_tokens)
+        return sum(chunk.counts)
 
     def _chunk(self, stats: RunStats, decode_s: float, decoding: int) -> Chunk | None:
         """Admit what fits, then this step's prefill chunk, paced by a decoding round of decode_s seconds
