@@ -107,6 +107,18 @@ class GrammarState:
         """Advance by a decided token; False (the state unchanged) if the grammar does not allow it."""
         return self.matcher.accept_token(token)
 
+    def accepted_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (drafted after the output so far) the grammar takes in order; the state is
+        left as it was."""
+        n = 0
+        for t in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
     @property
     def finished(self) -> bool:
         """The output is complete: the grammar took a stop token, or it allows nothing but one next."""

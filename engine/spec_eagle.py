@@ -83,6 +83,21 @@ def verify_tokens(tree) -> list[int]:
     return [1 + min(tree.verify_tokens - 1, sum(sizes[:d]) * tree.topk) for d in range(tree.depth + 1)]
 
 
+def grammar_cut(seqs: list[Sequence], chains: Tree) -> Tree:
+    """Chains cut before their first draft the sequence's grammar rejects (it could never be accepted: its
+    parent's row is masked in verification), and the columns no chain reaches dropped, so a round verifies
+    fewer tokens. A chain's node ids stay its depths. A host read, for requests with a grammar alone."""
+    asked = [b for b, s in enumerate(seqs) if s.grammar is not None]
+    if not asked:
+        return chains
+    host = chains.tokens.index_select(0, chains.sizes.new_tensor(asked)).tolist()
+    sizes = chains.sizes.tolist()
+    for b, tokens in zip(asked, host):
+        sizes[b] = 1 + seqs[b].grammar.accepted_prefix(tokens[1:sizes[b]])
+    cut = Tree(chains.tokens, chains.parents, chains.depths, chains.scores, chains.sizes.new_tensor(sizes))
+    return cut.prefix(max(sizes)) if max(sizes) < chains.num_nodes else cut
+
+
 @dataclass
 class HeadCursor:
     """A sequence's place in the head's cache (its Sequence.draft_state)."""
@@ -141,6 +156,7 @@ class EagleDecoder(SpeculativeDecoder):
             else:
                 self._feed_pending(seqs)
                 tree = self._draft_chain(seqs, depth, caps)
+            tree = grammar_cut(seqs, tree)
             return Draft(tree, tree.num_nodes - 1, backlog_s=backlog_s)
         self._feed_pending(seqs)
         cursors = [s.draft_state for s in seqs]

@@ -117,12 +117,30 @@ def test_every_method_is_lossless_under_grammars(llm, reference, name):
     assert [s.output_ids for s in run(llm)] == reference
 
 
-@pytest.mark.parametrize("name", ["vanilla", "sps", "eagle3-tree"])
+@pytest.mark.parametrize("name", ["vanilla", "sps", "eagle3-tree", "eagle3-chain"])
 def test_sampled_outputs_satisfy_the_grammar(llm, name):
     llm.set_method(*(METHODS[name] if name in METHODS else (name, {})))
     for case, seq in zip(CASES, run(llm, sampled=True)):
         assert seq.finish_reason == "stop"
         satisfies(case, llm.tokenizer.decode(seq.output_ids))
+
+
+def test_chains_are_cut_before_the_first_draft_the_grammar_rejects(llm, reference):
+    """An EAGLE chain is verified only up to its first draft the grammar rejects (which could never be
+    accepted): an untrained head's chains of 3 under a phone-number regex are mostly cut short, and the output
+    is still vanilla's."""
+    llm.set_method("eagle3", {"head": "random", "depth": 3, "topk": 1, "tree_tokens": 4})
+    kind, prompt = CASES["regex"]
+    ids = llm.chat_ids(prompt)
+    sizes = []
+    hook = llm.model.register_forward_hook(lambda m, args, out: sizes.append(args[0].numel()))
+    try:
+        out = run(llm, [kind], prompts=[ids])[0]
+    finally:
+        hook.remove()
+    assert out.output_ids == reference[list(CASES).index("regex")]
+    rounds = sizes[1:]  # after the prompt's prefill: one verify forward a round (a chain's draft is the head's)
+    assert rounds and max(rounds) <= 4 and sum(n < 4 for n in rounds) > len(rounds) // 2, rounds
 
 
 def test_unconstrained_requests_beside_a_grammar_are_unchanged(llm):
