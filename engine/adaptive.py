@@ -168,7 +168,6 @@ class SpeculationPolicy:
 
 
 class PrefillPacer:
-    REFRESH = 8  # every REFRESH-th step that could mix runs its round and its chunk apart, measuring both
     """How many prompt tokens a step prefills beside a decoding round (chunked prefill, engine/scheduler.py).
 
     While sequences decode, a step's prefill may take about `share` of its decoding round's time, at the
@@ -182,6 +181,7 @@ class PrefillPacer:
     any prefill was timed, the cap. A round that drafts nothing carries the chunk in its own forward (a mixed
     step, LLM.step), paced by the last plain round's time and the prefill rate of the last chunks run apart
     (`mix`)."""
+    REFRESH = 8  # one step in REFRESH with a chunk to mix runs the chunk and the round apart, measuring both
 
     def __init__(self, cap: int | None, share: float | None, floor: int = 16, decay: float = 0.7):
         self.cap, self.share, self.floor, self.decay = cap, share, floor, decay
