@@ -50,9 +50,9 @@ def drafting(llm, args, fused: bool, monkeypatch):
         llm.policy.choose = lambda batch: (choose(batch), next(schedule))[1]
     step, draft, kernel = decoder.step, decoder.draft, eagle_kernels.draft_chain
 
-    def stepped(seqs, depth=0):  # a round without drafts is recorded as None
+    def stepped(seqs, depth=0, chunk=None):  # a round without drafts is recorded as None
         n = len(rounds)
-        verdict = step(seqs, depth)
+        verdict = step(seqs, depth, chunk)
         if len(rounds) == n:
             rounds.append(None)
         return verdict

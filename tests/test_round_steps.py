@@ -95,9 +95,9 @@ def count_steps(decoder, monkeypatch) -> list:
     monkeypatch.setattr(StepGraph, "run", counted)
     step = decoder.step
 
-    def counted_step(seqs, depth=0):
+    def counted_step(seqs, depth=0, chunk=None):
         runs.clear()
-        verdict = step(seqs, depth)
+        verdict = step(seqs, depth, chunk)
         per_round.append((verdict.depth, len(runs)))
         return verdict
     decoder.step = counted_step

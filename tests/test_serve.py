@@ -420,11 +420,11 @@ def test_a_failing_round_fails_its_requests_and_the_server_goes_on(server, monke
     real = decoder.step
     calls = {"n": 0}
 
-    def broken(seqs, depth=0):
+    def broken(seqs, depth=0, chunk=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected fault")
-        return real(seqs, depth)
+        return real(seqs, depth, chunk)
 
     monkeypatch.setattr(decoder, "step", broken)
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
