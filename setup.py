@@ -34,13 +34,25 @@ def openmp_link_flags() -> list[str]:
     return ["-fopenmp"]  # torch linked the system runtime itself (distribution / conda builds)
 
 
+def libstdcxx_link_flags() -> list[str]:
+    """Link the C++ runtime torch uses (the shared libstdc++), never a static copy of it.
+
+    g++ links `-lstdc++`, which takes the first libstdc++ on its search path: a toolchain whose private
+    directory holds only libstdc++.a (the GPU machines' /opt/gcc wrapper passes -B to one) folds a second,
+    never-initialised copy of the iostream and locale machinery into the extension. It loads and runs, then
+    segfaults in the first c10::str (std::ostringstream) it formats: every error message. Naming the shared
+    library first resolves those symbols to it; the archive then contributes nothing.
+    """
+    return ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
+
+
 def extension():
     cpp_sources = sorted(glob.glob("csrc/*.cpp"))
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
     with_cuda = (torch.version.cuda is not None and CUDA_HOME is not None
                  and os.environ.get("EAGLE_NO_CUDA", "0") != "1")
     cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
-    link_flags = openmp_link_flags()
+    link_flags = openmp_link_flags() + libstdcxx_link_flags()
     if with_cuda:
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
         nvcc_flags = ["-O3", "-std=c++17", "--use_fast_math"]

@@ -487,6 +487,7 @@ def mode_name(mode: bool | None) -> str:
     return {True: "graphs", False: "eager", None: "default"}[mode]
 
 
+@torch.inference_mode()
 def verify_costs(llm, cfg, device, rand, deadline: Deadline, args) -> dict:
     """Target forward + logits over an M-token tree (4-ary, BFS order) after contexts of 512 and 2048
     tokens; ms and x the M = 1 forward."""

@@ -26,7 +26,7 @@ $PY -c "import torch, eagle_kernels; from eagle_kernels._ops import has_kernel; 
 stamp "native tests beside the methods phase"
 timeout "${TESTS_S:-170}" $PY -m pytest -q -n 6 -p no:cacheprovider --timeout 120 -rfE \
     tests/test_cuda_engine.py tests/test_tree_build.py tests/test_rejection.py tests/test_attention_kernel.py \
-    tests/test_expand.py tests/test_layer_ops.py tests/test_kernels_sync_free.py >"$OUT/logs/tests.log" 2>&1 &
+    tests/test_expand.py tests/test_layer_ops.py tests/test_kernels_sync_free.py tests/test_bad_args_subprocess.py >"$OUT/logs/tests.log" 2>&1 &
 tests=$!
 $PY benchmarks/gpu_check.py --phases methods --budget methods="${METHODS_S:-160}" --no-peer --out "$OUT/logs" \
     >"$OUT/logs/methods.out" 2>&1

@@ -15,6 +15,14 @@ import torch
 
 import eagle_kernels
 
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 host values on `device` without a synchronizing copy (pinned memory, non-blocking on CUDA):
+    these are made inside the first run of a step that is then graph-captured."""
+    host = torch.tensor(values, dtype=torch.int64)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 # EAGLE-1's default tree ("mc_sim_7b_63" in the official code): each node is the path of sibling ranks from
 # the root, e.g. (0, 1) = the second most likely child of the most likely child.
 EAGLE1_TREE = ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
@@ -177,7 +185,7 @@ class StaticTree:
         key = (depth, device)
         if key not in self._index:
             level = self.levels[depth - 1]
-            self._index[key] = tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in (
+            self._index[key] = tuple(to_device(v, device) for v in (
                 [r for r, _, _ in level], [k for _, k, _ in level], [i for i, (_, _, has) in enumerate(level) if has]))
         return self._index[key]
 

@@ -118,3 +118,19 @@ def test_launcher_checks_raise_before_any_cpp_op():
     ]:
         with pytest.raises(ValueError, match=message):
             check_rope_write_kv(*args)
+
+
+def test_extension_carries_no_copy_of_the_cpp_runtime():
+    """The extension links the shared libstdc++ torch uses. A toolchain whose own directory holds only
+    libstdc++.a (the GPU machines' /opt/gcc) once folded a second, uninitialised iostream/locale copy into
+    it: every error message (c10::str) then segfaulted, on the GPU box only. setup.py names the shared
+    library first; this reads the built file's exported symbols for std::locale, which only a copy defines."""
+    import shutil
+
+    import eagle_kernels._C as ext
+    nm = shutil.which("nm")
+    assert nm, "nm (binutils) not found: it comes with the compiler the extension is built with"
+    out = subprocess.run([nm, "-D", "--defined-only", ext.__file__], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    copied = [line.split()[-1] for line in out.stdout.splitlines() if "_ZNSt6locale" in line]
+    assert not copied, f"{ext.__file__} defines {len(copied)} std::locale symbols, e.g. {copied[:3]}"

@@ -1,6 +1,7 @@
 """The kernels a speculative round calls make no host reads: each runs inside no_host_reads() on CPU tensors and
 gives what it gives outside. The Triton paths run under triton_on_cpu() (the interpreter: small shapes, fp32).
 """
+import contextlib
 import os
 
 import pytest
@@ -19,6 +20,12 @@ from kernel_refs_attention import ancestor_mask_bits, random_bfs_parents, ref_pa
 TRITON_USABLE = attention.triton is not None and (
     torch.cuda.is_available() or "Interpret" in type(attention.triton.language.max).__name__)
 needs_triton = pytest.mark.skipif(not TRITON_USABLE, reason="Triton not installed or not interpretable")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the Triton paths run
+
+
+def triton_path():
+    """The context in which DEV tensors take the Triton kernels (natively on a GPU, else the interpreter)."""
+    return contextlib.nullcontext() if DEV.type == "cuda" else eagle_kernels.triton_on_cpu()
 
 
 def same_inside(fn):
@@ -79,9 +86,9 @@ def test_topk_expand_triton_path():
     gen = torch.Generator().manual_seed(3)
     logits, scores = torch.randn(1, 3, 100, generator=gen), -torch.rand(1, 3, generator=gen)
     torch_out = topk_expand(logits, scores, 4)
-    with eagle_kernels.triton_on_cpu():
-        out = same_inside(lambda: tuple(topk_expand(logits, scores, 4)))
-    assert torch.equal(out[0], torch_out[0]) and torch.equal(out[2], torch_out[2])
+    with triton_path():
+        out = same_inside(lambda: tuple(topk_expand(logits.to(DEV), scores.to(DEV), 4)))
+    assert torch.equal(out[0].cpu(), torch_out[0]) and torch.equal(out[2].cpu(), torch_out[2])
 
 
 def paged_batch(prefixes, ns, dtype, tree, hq=4, hkv=2, d=32, bs=16, seed=0):
@@ -118,9 +125,10 @@ def test_paged_attention_cpu_makes_no_host_reads(tree):
 @pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
 def test_paged_attention_triton_path(tree):
     args = paged_batch([70, 0, 33], [3, 2, 1], torch.float32, tree, seed=1)
-    with eagle_kernels.triton_on_cpu():
-        out = same_inside(lambda: attention.paged_attention(*args))
-    split = same_inside(lambda: attention.paged_attention_triton(*args, num_splits=2))
+    on_dev = [a if a is None else a.to(DEV) for a in args]
+    with triton_path():
+        out = same_inside(lambda: attention.paged_attention(*on_dev))
+    split = same_inside(lambda: attention.paged_attention_triton(*on_dev, num_splits=2))
     ref = ref_paged_attention(*args)
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(split.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(split.double().cpu(), ref, atol=1e-5, rtol=1e-5)
