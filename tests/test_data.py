@@ -171,3 +171,18 @@ def test_packer_fits_rows_and_is_a_function_of_seed_and_epoch():
     assert p.rows_of(b0[0])[0][0] == p.seqs[b0[0][0][0]]
     with pytest.raises(ValueError, match="no training sequences"):
         data.Packer([], 32, 2, 0)
+
+
+def test_sharegpt_file_gzipped_gives_the_same_prompts(tmp_path):
+    """train.pipeline --sharegpt FILE (what benchmarks/gpu_train_stage.py packs for a GPU): a .json.gz reads
+    as its .json does, split by id as the package's file is."""
+    import gzip
+    convs = [conv(i) for i in range(300)]
+    plain, packed = tmp_path / "c.json", tmp_path / "c.json.gz"
+    plain.write_text(json.dumps(convs))
+    with gzip.open(packed, "wt") as f:
+        json.dump(convs, f)
+    for split in ("train", "heldout"):
+        want = data.source_prompts("sharegpt", split, 1000, str(plain))
+        assert want and data.source_prompts("sharegpt", split, 1000, str(packed)) == want
+    assert len(data.source_prompts("sharegpt", "train", 5, str(packed))) == 5

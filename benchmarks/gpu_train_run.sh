@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The last device call of a GPU head training (issue 24 item 4), after benchmarks/gpu_train_stage.py's pieces
+# have arrived in .carry/gpu_train/p*: reassemble and check the target GGUF, build the extension (and check that
+# C++ error messages raise, tests/test_bad_args_subprocess.py), then train.pipeline on the GPU, starting from
+# the shipped head, on ShareGPT prompts the target answers itself. What comes back under $OUT: the exported head
+# (model.safetensors in pieces under 16 MiB: `cat head.safetensors.* > model.safetensors`), its config.json,
+# eval.json and the logs' tails.
+#
+#   bash benchmarks/gpu_train_run.sh      # env: TRAIN_MIN (default 5.5), DEVICE (cuda), SKIP_BUILD=1
+set -u
+OUT=${OUT:-/tmp/gpu_train}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} PYTHONDONTWRITEBYTECODE=1
+PY=${PY:-python3}
+STAGE=.carry/gpu_train
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+
+target=$($PY - "$STAGE" <<'EOF'
+import hashlib, json, sys
+from pathlib import Path
+stage = Path(sys.argv[1])
+manifests = sorted(stage.glob("p*/manifest.json"))
+if not manifests:
+    sys.exit(f"gpu_train_run: no manifest under {stage}: run benchmarks/gpu_train_stage.py and carry every piece")
+m = json.loads(manifests[0].read_text())
+parts = [stage / f"p{k}" / f"{m['gguf']}.{k}" for k in range(m["pieces"])]
+missing = [str(p) for p in parts if not p.exists()]
+if missing:
+    sys.exit(f"gpu_train_run: missing {missing} (each earlier call must carry its piece, back to back)")
+data = b"".join(p.read_bytes() for p in parts)
+if hashlib.sha256(data).hexdigest() != m["sha256"]:
+    sys.exit("gpu_train_run: the reassembled GGUF's SHA-256 differs from the manifest's")
+out = Path("/tmp") / m["gguf"]
+out.write_bytes(data)
+print(out)
+EOF
+) || exit 2
+last=$(dirname "$(ls $STAGE/p*/manifest.json | head -1)")
+export PYTHONPATH="$PWD/$last/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+stamp "target $target"
+
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+    arch=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+    TORCH_CUDA_ARCH_LIST=$arch timeout 240 $PY setup.py build_ext --inplace >"$OUT/build.log" 2>&1
+    stamp "build rc=$?"
+    timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_bad_args_subprocess.py >"$OUT/bad_args.log" 2>&1
+    stamp "bad-argument tests rc=$? $(tail -1 "$OUT/bad_args.log")"
+fi
+
+run=/tmp/gpu_train_run
+rm -rf "$run"
+minutes=${TRAIN_MIN:-5.5}
+timeout "$($PY -c "print(int(float('$minutes') * 60) + 240)")" $PY -m train.pipeline --out "$run" --device "${DEVICE:-cuda}" \
+    --model "$target" --sharegpt "$last/sharegpt_prompts.json.gz" --init engine/heads/smollm2-135m-eagle3 --draft-vocab 8192 \
+    --minutes "$minutes" --quiet ${TRAIN_ARGS:-} >"$OUT/train.log" 2>&1
+stamp "train.pipeline rc=$?"
+tail -40 "$OUT/train.log"
+head_dir=$run/train/head
+if [ -f "$head_dir/model.safetensors" ]; then
+    split -b 15M -d "$head_dir/model.safetensors" "$OUT/head.safetensors."
+    cp "$head_dir/config.json" "$OUT/"
+fi
+[ -f "$run/eval.json" ] && cp "$run/eval.json" "$OUT/" && cat "$run/eval.json" | head -60
+stamp "done"

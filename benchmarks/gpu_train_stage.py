@@ -1,0 +1,121 @@
+"""Pack what the GPU head training (issue 24 item 4) needs for the device machine, in calls that fit its limits.
+
+The device call carries at most 64 MiB (the repository's tracked files included, ~30 MB) and has no package
+registry; the target (the SmolLM2 GGUF, ~98 MB) and the ShareGPT package (~120 MB) do not fit one call. This
+writes, under the ignored folder .carry/gpu_train/:
+
+    p0/ p1/ ... pN/   the GGUF in pieces (each call carries one: the machine keeps what earlier calls left
+                      while it stays warm, ~30 s between calls), the last piece with the gguf package (pure
+                      Python), the prompts (first user turns of ShareGPT conversations, train and held-out
+                      split kept by id, gzipped JSON) and the pieces' SHA-256
+    commands.txt      the device calls, in order: every call but the last only carries its piece; the last
+                      runs benchmarks/gpu_train_run.sh (reassemble, check, build, train.pipeline --device cuda)
+
+    python benchmarks/gpu_train_stage.py [--train-prompts 40000]
+
+Then, with the device tool: one `run` per line of commands.txt, each naming its carry, back to back.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+LIMIT = 64 << 20          # bytes one device call carries, working tree included
+SLACK = 2 << 20           # untracked files, rounding, the transfer's own overhead
+
+
+def tracked_bytes() -> int:
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    return sum((ROOT / f).stat().st_size for f in files.decode().split("\0") if f and (ROOT / f).is_file())
+
+
+def write_prompts(path: Path, train: int, heldout: int) -> dict:
+    """First user turns of `train` + `heldout` conversations (ids kept, so the split is the package's)."""
+    from train.data import sharegpt_conversations
+    convs, counts = [], {}
+    for split, n in (("train", train), ("heldout", heldout)):
+        for i, (cid, msgs) in enumerate(sharegpt_conversations(split)):
+            if i == n:
+                break
+            convs.append({"id": cid, "conversations": [{"from": "human", "value": msgs[0]["content"]}]})
+        counts[split] = len(convs) - sum(counts.values())
+    with gzip.open(path, "wt", compresslevel=9) as f:
+        json.dump(convs, f)
+    return {**counts, "bytes": path.stat().st_size}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="registry name or .gguf path")
+    p.add_argument("--train-prompts", type=int, default=40000)
+    p.add_argument("--heldout-prompts", type=int, default=400)
+    p.add_argument("--out", type=Path, default=ROOT / ".carry" / "gpu_train")
+    args = p.parse_args()
+
+    from engine.loader import resolve_model
+    src = resolve_model(args.model)
+    if src.kind != "gguf":
+        sys.exit(f"gpu_train_stage: {args.model} is not a GGUF model")
+    spec = importlib.util.find_spec("gguf")
+    if spec is None or spec.origin is None:
+        sys.exit("gpu_train_stage: the gguf package is not installed here (pip install gguf)")
+    shutil.rmtree(args.out, ignore_errors=True)
+    args.out.mkdir(parents=True)
+    extras = args.out / "extras"
+    extras.mkdir()
+    prompts = write_prompts(extras / "sharegpt_prompts.json.gz", args.train_prompts, args.heldout_prompts)
+    shutil.copytree(Path(spec.origin).parent, extras / "site" / "gguf",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    extra_bytes = sum(f.stat().st_size for f in extras.rglob("*") if f.is_file())
+
+    room = LIMIT - tracked_bytes() - SLACK
+    data = src.path.read_bytes()
+    if room <= extra_bytes + (1 << 20):
+        sys.exit(f"gpu_train_stage: the repository leaves {room} bytes a call, too little")
+    # the last piece also carries the extras: cut the file so every call stays under the limit
+    n = 1
+    while (len(data) + extra_bytes) / n > room:
+        n += 1
+    size = -(-(len(data) + extra_bytes) // n)
+    pieces, start = [], 0
+    for k in range(n):
+        end = len(data) if k == n - 1 else start + size
+        pieces.append(data[start:end])
+        start = end
+    assert len(pieces[-1]) + extra_bytes <= room, "the last piece and the extras do not fit one call"
+    for k, piece in enumerate(pieces):
+        d = args.out / f"p{k}"
+        d.mkdir()
+        (d / f"{src.path.name}.{k}").write_bytes(piece)
+    last = args.out / f"p{n - 1}"
+    shutil.move(str(extras / "sharegpt_prompts.json.gz"), last / "sharegpt_prompts.json.gz")
+    shutil.move(str(extras / "site"), last / "site")
+    extras.rmdir()
+    manifest = {"gguf": src.path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                "pieces": n, "prompts": prompts}
+    (last / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+    lines = [f"carry .carry/gpu_train/p{k}   command: ls -la .carry/gpu_train" for k in range(n - 1)]
+    lines.append(f"carry .carry/gpu_train/p{n - 1}   command: bash benchmarks/gpu_train_run.sh")
+    (args.out / "commands.txt").write_text("\n".join(lines) + "\n")
+    for k in range(n):
+        size_k = sum(f.stat().st_size for f in (args.out / f"p{k}").rglob("*") if f.is_file())
+        print(f"p{k}: {size_k / 1e6:.1f} MB")
+    print(f"room a call: {room / 1e6:.1f} MB; prompts: {prompts}")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
