@@ -158,10 +158,12 @@ class EagleDecoder(SpeculativeDecoder):
                 tree = self._draft_chain(seqs, depth, caps)
             tree = grammar_cut(seqs, tree)
             return Draft(tree, tree.num_nodes - 1, backlog_s=backlog_s)
-        self._feed_pending(seqs)
-        cursors = [s.draft_state for s in seqs]
-        root_hidden = torch.stack([c.root[0] for c in cursors])                            # [B, H]
-        root_out = torch.stack([c.root[1] for c in cursors])                                # [B, H]
+        roots = self._feed_round(seqs) if runner.bucketed else None
+        if roots is None:
+            self._feed_pending(seqs)
+            cursors = [s.draft_state for s in seqs]
+            roots = (torch.stack([c.root[0] for c in cursors]), torch.stack([c.root[1] for c in cursors]))
+        root_hidden, root_out = roots                                                        # [B, H] each
         if not tree_policy.min_prob and self.fused:
             return Draft(self._draft_tree(seqs, depth, caps, root_hidden, root_out), depth, backlog_s=backlog_s)
         return self._draft_levels(seqs, depth, caps, root_hidden, root_out, backlog_s)
@@ -322,6 +324,38 @@ class EagleDecoder(SpeculativeDecoder):
             if not keep:  # the last pair is the root
                 s.draft_state.root = (hidden[end - 1], out[end - 1])
         return time.perf_counter() - t0
+
+    def _feed_round(self, seqs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """_feed_pending's feed of the last round's pairs as one fixed-shape step, the StepGraph ("feed", Bp)
+        (a CUDA graph replay on a GPU, where the eager feed is a launch-bound head forward): every sequence
+        gets K = max_depth + 1 rows (the most one round accepts), its pending pairs first and padding after,
+        whose KV lands past its cached tokens where this round's draft writes next. -> the new roots' (input
+        hidden, head output) [B, H] each; None (nothing fed) unless every sequence has 1..K pairs pending."""
+        K = self.max_depth + 1
+        self._feed_pending(seqs, keep=K)  # a backlog longer than a round's (after a prefill): fed eagerly first
+        starts = [s.draft_state.fed for s in seqs]
+        counts = [cached_len(s) - f for s, f in zip(seqs, starts)]
+        if not all(1 <= n <= K for n in counts):
+            return None
+        B, runner = len(seqs), self.runner
+        Bp = runner.batch_rows(B)
+        plan = self.plan(seqs, starts, [K] * B).padded(Bp)
+        ids = [t for s, f, n in zip(seqs, starts, counts) for t in s.all_ids[f + 1:f + 1 + n] + [0] * (K - n)]
+        g = runner.graph(self.graphs, ("feed", Bp), plan, self._feed_fn, {"last": ((Bp,), torch.int64)},
+                         host_ids=True)
+        hidden, out = g.run(plan, host_ids=ids, last=runner.to_device([b * K + n - 1 for b, n in enumerate(counts)]))
+        roots = hidden[:B].clone(), out[:B].clone()                      # the graph's outputs are rewritten
+        for b, (s, f, n) in enumerate(zip(seqs, starts, counts)):
+            s.draft_state.fed = f + n
+            self.blocks.mark_side(s.seq_id, f, f + n)
+            s.draft_state.root = (roots[0][b], roots[1][b])
+        return roots
+
+    def _feed_fn(self, g):
+        hidden = self.head.project(self.features.index_select(0, g.meta.slot_mapping))      # [Bp * K, H]
+        out = self.head(g.ids, hidden, g.positions, self.head_layers[0], g.meta)            # [Bp * K, H]
+        last = g.inputs["last"]                                                              # [Bp]
+        return hidden.index_select(0, last), out.index_select(0, last)
 
     def _forward(self, seqs, starts, fed: Tree, hidden) -> torch.Tensor:
         """The head over the drafted history (fed.tokens [B, n], hidden [B, n, H]) -> outputs [B, n, H]."""

@@ -21,6 +21,7 @@ from tests.test_speculative_sampling import write_tokenizer
 VOCAB = 96
 PROMPTS = [[1, 5, 9, 11, 4], [1, 7], [1, 3, 3, 3, 4, 5, 6, 7, 8], [1, 40, 41]]
 NEW = 6
+NEW_LONG = 24  # enough rounds for the random head's drafts to be accepted now and then
 METHODS = {
     "sps": ("sps", {"draft": "early-exit:4", "draft_len": 3}),
     "eagle-static": ("eagle", {"head": "random", "tree": "static"}),
@@ -77,12 +78,12 @@ def force_depths(policy):
     policy.choose = lambda batch: (choose(batch), next(schedule))[1]
 
 
-def run(llm, prompts, method, args, greedy=True):
+def run(llm, prompts, method, args, greedy=True, new=NEW):
     llm.set_method(method, args)
     forbid_host_reads(llm.decoder)
     if llm.policy:
         force_depths(llm.policy)
-    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.0 if greedy else 0.8,
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True, temperature=0.0 if greedy else 0.8,
                             top_k=0 if greedy else 20)
     seqs, stats = llm.generate(prompts, params)
     if llm.policy:  # rounds without drafts and with them
@@ -106,6 +107,23 @@ def test_greedy_equals_vanilla_without_host_reads(llm, reference, path, name):
     assert batched == reference and alone == reference[:1]
     if name == "sps":  # its drafts get accepted here: the KV moves of mixed paths are exercised
         assert stats["tau"] > 1.0
+
+
+def test_gpu_round_feeds_in_one_fixed_step_as_eagerly(llm, reference, monkeypatch):
+    """On the GPU path a tree round feeds the last round's accepted pairs as one fixed-shape step (rows padded
+    to max_depth + 1 a sequence: EagleDecoder._feed_round). Its roots must be the eager feed's: the same
+    drafts, so the same acceptance, round by round (a wrong root would still give vanilla's output)."""
+    from engine.spec_eagle import EagleDecoder
+    method, args = METHODS["eagle3-adaptive"]
+    monkeypatch.setattr(llm.runner, "bucketed", True)  # the GPU path's shapes; the C++ kernels (the interpreter
+    fixed, stats = run(llm, PROMPTS, method, args, new=NEW_LONG)                   # is too slow for 24 tokens)
+    assert any(key[0] == "feed" for key in llm.decoder.graphs), "the fixed-shape feed never ran"
+    monkeypatch.setattr(EagleDecoder, "_feed_round", lambda self, seqs: None)
+    eager, eager_stats = run(llm, PROMPTS, method, args, new=NEW_LONG)
+    assert not any(key[0] == "feed" for key in llm.decoder.graphs)
+    assert fixed == eager and [o[:NEW] for o in fixed] == reference
+    assert stats["tau"] > 1.0 and stats["tau"] == eager_stats["tau"]
+    assert stats["accept_by_depth"] == eager_stats["accept_by_depth"]
 
 
 @pytest.mark.parametrize("path,name", [("cpu", n) for n in ["vanilla"] + list(METHODS)]
