@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -107,18 +108,6 @@ class GrammarState:
         """Advance by a decided token; False (the state unchanged) if the grammar does not allow it."""
         return self.matcher.accept_token(token)
 
-    def accepted_prefix(self, tokens: list[int]) -> int:
-        """How many of `tokens` (drafted after the output so far) the grammar takes in order; the state is
-        left as it was."""
-        n = 0
-        for t in tokens:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
-                break
-            n += 1
-        if n:
-            self.matcher.rollback(n)
-        return n
-
     @property
     def finished(self) -> bool:
         """The output is complete: the grammar took a stop token, or it allows nothing but one next."""
@@ -138,22 +127,27 @@ class GrammarState:
         if not self.matcher.is_terminated():
             self.matcher.fill_next_token_bitmask(out, index)
 
-    def fill_tree(self, tokens: list[int], parents: list[int], out: torch.Tensor):
-        """Per node of a draft tree (node 0: the last output token, already taken), the mask of the token
-        after it: the state after the node's drafted ancestors and itself. out: int32 [N, W] on the host,
-        all ones on entry; a node the grammar rejects (or one past a stop token) keeps them: it can never be
-        accepted, so its row decides nothing."""
+    def walk(self, tokens: list[int], parents: list[int]) -> Iterator[int]:
+        """The nodes of a draft tree (node 0: the last output token, already taken) the grammar can reach:
+        each node's drafted ancestors and itself allowed in order, none past a stop token. Each is yielded while
+        the state is the one after it (depth first); the state is left as it was."""
         children = [[] for _ in tokens]
         for i, p in enumerate(parents):
             if p >= 0:
                 children[p].append(i)
 
         def visit(i: int):
-            self.fill(out, i)
+            yield i
             if self.matcher.is_terminated():
                 return
             for c in children[i]:
                 if self.matcher.accept_token(tokens[c]):
-                    visit(c)
+                    yield from visit(c)
                     self.matcher.rollback(1)
-        visit(0)
+        yield from visit(0)
+
+    def fill_tree(self, tokens: list[int], parents: list[int], out: torch.Tensor):
+        """Per node of a draft tree, the mask of the token after it. out: int32 [N, W] on the host, all ones on
+        entry; a node the grammar cannot reach keeps them: it can never be accepted, so its row decides nothing."""
+        for i in self.walk(tokens, parents):
+            self.fill(out, i)

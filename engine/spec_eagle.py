@@ -26,6 +26,7 @@ hold: `verify_tokens`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -83,19 +84,25 @@ def verify_tokens(tree) -> list[int]:
     return [1 + min(tree.verify_tokens - 1, sum(sizes[:d]) * tree.topk) for d in range(tree.depth + 1)]
 
 
-def grammar_cut(seqs: list[Sequence], chains: Tree) -> Tree:
-    """Chains cut before their first draft the sequence's grammar rejects (it could never be accepted: its
-    parent's row is masked in verification), and the columns no chain reaches dropped, so a round verifies
-    fewer tokens. A chain's node ids stay its depths. A host read, for requests with a grammar alone."""
+def grammar_prune(seqs: list[Sequence], tree: Tree) -> Tree:
+    """Each grammar request's drafts without those its grammar rejects and everything under them (they could
+    never be accepted: their parents' rows are masked in verification), and the columns no tree reaches
+    dropped, so a round verifies fewer tokens. Kept nodes keep their order (BFS; a chain's ids stay its
+    depths). A host read, for requests with a grammar alone."""
     asked = [b for b, s in enumerate(seqs) if s.grammar is not None]
     if not asked:
-        return chains
-    host = chains.tokens.index_select(0, chains.sizes.new_tensor(asked)).tolist()
-    sizes = chains.sizes.tolist()
-    for b, tokens in zip(asked, host):
-        sizes[b] = 1 + seqs[b].grammar.accepted_prefix(tokens[1:sizes[b]])
-    cut = Tree(chains.tokens, chains.parents, chains.depths, chains.scores, chains.sizes.new_tensor(sizes))
-    return cut.prefix(max(sizes)) if max(sizes) < chains.num_nodes else cut
+        return tree
+    rows = tree.sizes.new_tensor(asked)
+    tokens, parents = tree.tokens.index_select(0, rows).tolist(), tree.parents.index_select(0, rows).tolist()
+    kept = [list(range(n)) for n in tree.sizes.tolist()]
+    for i, b in enumerate(asked):
+        n = len(kept[b])
+        kept[b] = sorted(seqs[b].grammar.walk(tokens[i][:n], parents[i][:n]))
+    n = max(map(len, kept))
+    last = tree.num_nodes - 1  # the padding's id: in BFS order the last node is nobody's parent
+    ids = tree.tokens.new_tensor([k + [last] * (n - len(k)) for k in kept])
+    keep = torch.arange(n, device=ids.device) < ids.new_tensor([len(k) for k in kept])[:, None]
+    return tree.subtree(ids, keep)
 
 
 @dataclass
@@ -156,7 +163,7 @@ class EagleDecoder(SpeculativeDecoder):
             else:
                 self._feed_pending(seqs)
                 tree = self._draft_chain(seqs, depth, caps)
-            tree = grammar_cut(seqs, tree)
+            tree = grammar_prune(seqs, tree)
             return Draft(tree, tree.num_nodes - 1, backlog_s=backlog_s)
         roots = self._feed_round(seqs) if runner.bucketed else None
         if roots is None:
@@ -165,8 +172,10 @@ class EagleDecoder(SpeculativeDecoder):
             roots = (torch.stack([c.root[0] for c in cursors]), torch.stack([c.root[1] for c in cursors]))
         root_hidden, root_out = roots                                                        # [B, H] each
         if not tree_policy.min_prob and self.fused:
-            return Draft(self._draft_tree(seqs, depth, caps, root_hidden, root_out), depth, backlog_s=backlog_s)
-        return self._draft_levels(seqs, depth, caps, root_hidden, root_out, backlog_s)
+            draft = Draft(self._draft_tree(seqs, depth, caps, root_hidden, root_out), depth, backlog_s=backlog_s)
+        else:
+            draft = self._draft_levels(seqs, depth, caps, root_hidden, root_out, backlog_s)
+        return dataclasses.replace(draft, tree=grammar_prune(seqs, draft.tree))
 
     def _draft_levels(self, seqs, depth: int, caps: list[int], root_hidden, root_out, backlog_s: float) -> Draft:
         """The tree drafted one step a level (each level's head forward its own StepGraph, the bookkeeping

@@ -125,11 +125,12 @@ def test_sampled_outputs_satisfy_the_grammar(llm, name):
         satisfies(case, llm.tokenizer.decode(seq.output_ids))
 
 
-def test_chains_are_cut_before_the_first_draft_the_grammar_rejects(llm, reference):
-    """An EAGLE chain is verified only up to its first draft the grammar rejects (which could never be
-    accepted): an untrained head's chains of 3 under a phone-number regex are mostly cut short, and the output
-    is still vanilla's."""
-    llm.set_method("eagle3", {"head": "random", "depth": 3, "topk": 1, "tree_tokens": 4})
+@pytest.mark.parametrize("topk,tokens", [(1, 4), (2, 6)], ids=["chain", "tree"])
+def test_drafts_the_grammar_rejects_are_pruned(llm, reference, topk, tokens):
+    """An EAGLE chain or tree is verified without its drafts the grammar rejects and what hangs under them
+    (which could never be accepted): an untrained head's drafts under a phone-number regex are mostly pruned,
+    and the output is still vanilla's."""
+    llm.set_method("eagle3", {"head": "random", "depth": 3, "topk": topk, "tree_tokens": tokens})
     kind, prompt = CASES["regex"]
     ids = llm.chat_ids(prompt)
     sizes = []
@@ -140,7 +141,7 @@ def test_chains_are_cut_before_the_first_draft_the_grammar_rejects(llm, referenc
         hook.remove()
     assert out.output_ids == reference[list(CASES).index("regex")]
     rounds = sizes[1:]  # after the prompt's prefill: one verify forward a round (a chain's draft is the head's)
-    assert rounds and max(rounds) <= 4 and sum(n < 4 for n in rounds) > len(rounds) // 2, rounds
+    assert rounds and max(rounds) <= tokens and sum(n < tokens for n in rounds) > len(rounds) // 2, rounds
 
 
 def test_unconstrained_requests_beside_a_grammar_are_unchanged(llm):
