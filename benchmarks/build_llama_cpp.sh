@@ -36,7 +36,8 @@ for exe in llama-completion llama-bench llama-speculative-simple; do
 done
 
 head="$root/engine/heads/smollm2-135m-eagle3"
-if [ ! -f "$dir/bin/eagle3-head.gguf" ]; then
+# converted again whenever the shipped head is newer than its conversion (a retrained head ships)
+if [ ! -f "$dir/bin/eagle3-head.gguf" ] || [ "$head/model.safetensors" -nt "$dir/bin/eagle3-head.gguf" ]; then
   "$python" -m pip install --quiet --target "$dir/pylib" sentencepiece >&2
   (cd "$root" && "$python" - "$dir/target-hf" <<'EOF'
 import sys

@@ -6,7 +6,13 @@
 # (model.safetensors in pieces under 16 MiB: `cat head.safetensors.* > model.safetensors`), its config.json,
 # eval.json and the logs' tails.
 #
-#   bash benchmarks/gpu_train_run.sh      # env: TRAIN_MIN (default 5), DEVICE (cuda), SKIP_BUILD=1
+#   bash benchmarks/gpu_train_run.sh      # env: TRAIN_MIN (default 5), DEVICE (cuda), SKIP_BUILD=1,
+#                                         # SKIP_PROMPTS (default 0), REPLIES_SHARE (default 0.45)
+#
+# Each GPU session continues from the shipped head on prompts no earlier session answered: SKIP_PROMPTS is the
+# sum of the earlier runs' eval.json `replies.prompts` (benchmarks/RESULTS.md, "GPU" -> head training, lists
+# them). On a GPU a reply token costs more than an epoch's training on it (RESULTS.md), and data volume is what
+# lifts acceptance, so the replies get a larger share of the budget than train.pipeline's default.
 #
 # Sized for a 600 s device command: build ~60 s, the bad-argument tests ~30 s, train.pipeline's stages TRAIN_MIN
 # minutes plus loading and evaluation (killed 150 s past its budget, after which its last export is used).
@@ -56,7 +62,8 @@ rm -rf "$run"
 minutes=${TRAIN_MIN:-5}
 timeout "$($PY -c "print(int(float('$minutes') * 60) + 150)")" $PY -m train.pipeline --out "$run" --device "${DEVICE:-cuda}" \
     --model "$target" --sharegpt "$last/sharegpt_prompts.json.gz" --init engine/heads/smollm2-135m-eagle3 --draft-vocab 8192 \
-    --minutes "$minutes" --quiet ${TRAIN_ARGS:-} >"$OUT/train.log" 2>&1
+    --minutes "$minutes" --skip-prompts "${SKIP_PROMPTS:-0}" --replies-share "${REPLIES_SHARE:-0.45}" \
+    --quiet ${TRAIN_ARGS:-} >"$OUT/train.log" 2>&1
 stamp "train.pipeline rc=$?"
 tail -40 "$OUT/train.log"
 head_dir=$run/train/head

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import shutil
@@ -77,6 +78,12 @@ def main() -> int:
     prompts = write_prompts(extras / "sharegpt_prompts.json.gz", args.train_prompts, args.heldout_prompts)
     shutil.copytree(Path(spec.origin).parent, extras / "site" / "gguf",
                     ignore=shutil.ignore_patterns("__pycache__"))
+    # its metadata too: transformers parses the installed gguf's version and fails on none ('N/A')
+    version = importlib.metadata.version("gguf")
+    meta = extras / "site" / f"gguf-{version}.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: gguf\nVersion: {version}\n")
+    (meta / "RECORD").write_text("")
     extra_bytes = sum(f.stat().st_size for f in extras.rglob("*") if f.is_file())
 
     room = LIMIT - tracked_bytes() - SLACK

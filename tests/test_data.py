@@ -186,3 +186,7 @@ def test_sharegpt_file_gzipped_gives_the_same_prompts(tmp_path):
         want = data.source_prompts("sharegpt", split, 1000, str(plain))
         assert want and data.source_prompts("sharegpt", split, 1000, str(packed)) == want
     assert len(data.source_prompts("sharegpt", "train", 5, str(packed))) == 5
+    # --skip-prompts: a later run continues where an earlier one stopped, with no prompt twice
+    first = data.source_prompts("sharegpt", "train", 7, str(packed))
+    assert data.source_prompts("sharegpt", "train", 4, str(packed), skip=3) == first[3:7]
+    assert data.source_prompts("humaneval", "train", 2, skip=1) == data.source_prompts("humaneval", "train", 3)[1:]

@@ -317,6 +317,8 @@ def test_pipeline_eagle1_and_the_comparison_plot(eagle3_run, smollm, tmp_path, c
     (["--tree", "2,2"], "--tree: expected DEPTH,TOPK,TOKENS"),
     (["--gen-batch", "x"], "--gen-batch: expected a int"),
     (["--head", "medusa"], "--head: invalid choice"),
+    (["--replies-share", "0.9"], "--replies-share: must be below 0.85"),
+    (["--skip-prompts", "-3"], "--skip-prompts: must be >= 0"),
 ])
 def test_pipeline_bad_flags_are_one_line_and_exit_2(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:

@@ -108,12 +108,13 @@ def humaneval_prompts(n: int | None = None) -> list[str]:
     return prompts[:n]
 
 
-def source_prompts(source: str, split: str, n: int, path: str | None = None) -> list[str]:
+def source_prompts(source: str, split: str, n: int, path: str | None = None, skip: int = 0) -> list[str]:
     """The first user turns of `n` ShareGPT conversations of `split` (path: see sharegpt_conversations), or
-    the first `n` HumanEval prompts."""
+    `n` HumanEval prompts, after the source's first `skip`."""
     if source == "humaneval":
-        return humaneval_prompts(n)
-    return [msgs[0]["content"] for _, msgs in itertools.islice(sharegpt_conversations(split, path), n)]
+        return humaneval_prompts(skip + n)[skip:]
+    convs = itertools.islice(sharegpt_conversations(split, path), skip, skip + n)
+    return [msgs[0]["content"] for _, msgs in convs]
 
 
 # ------------------------------------------------------------------------------------- target replies

