@@ -13,7 +13,10 @@ batch 1), and stops paying once the batch alone fills the device: then d* = 0.
   depth j: a running mean over the sequence-rounds that drafted at least j deep (a window of about WINDOW
   of them), starting from an optimistic prior (every draft accepted) worth PRIOR_WEIGHT observations. A
   depth played rarely keeps its c_j while the shallower c_i follow the live acceptance, so its estimate
-  moves with the prompts' predictability as the played depths see it.
+  moves with the prompts' predictability as the played depths see it. Evidence ages: a c_j unobserved for
+  a while (speculation off) counts half every HALF_LIFE rounds against what comes next, so after a request
+  the head could not draft for, the next one's re-probes move the estimate (one probe round against a full
+  window's worth of old evidence barely did: speculation stayed off for the requests after).
 - Cost: round wall times, kept per (batch bucket, d); batches are bucketed by powers of two. Samples taken
   at exactly this batch size are preferred; others in the bucket are scaled per sequence. The estimate is
   the fastest of the last SAMPLES: contention on a shared machine only ever adds time, and comes in bursts
@@ -44,6 +47,7 @@ from collections import deque
 SAMPLES = 8         # round times kept per (bucket, depth)
 WINDOW = 64         # sequence-rounds the acceptance rates average over
 PRIOR_WEIGHT = 1    # sequence-rounds the optimistic prior (every draft accepted) is worth
+HALF_LIFE = 32      # rounds unobserved after which an acceptance rate's evidence counts half
 SLACK = 0.1         # a depth within 10% of the best is a close call, worth re-probing ...
 AGING = 100         # ... and the margin grows by SLACK every AGING rounds its estimate goes unrefreshed
 PROBE_SHARE = 0.01  # of a bucket's round time, the most its re-probes may take
@@ -65,6 +69,7 @@ class SpeculationPolicy:
         self.depth = len(verify_tokens) - 1
         self.accept = [1.0] * (self.depth + 1)            # c_j (c_0 unused)
         self.weight = [float(PRIOR_WEIGHT)] * (self.depth + 1)
+        self.seen = [0] * (self.depth + 1)                # the round c_j was last observed
         self.samples: dict[tuple[int, int], deque] = {}   # (bucket, d) -> (batch, seconds)
         self.tried: dict[tuple[int, int], int] = {}       # (bucket, d) -> the round it was last played
         self.spent: dict[int, float] = {}                 # bucket -> seconds of all its rounds
@@ -163,8 +168,11 @@ class SpeculationPolicy:
             reached = [a for a in accepted if a >= j - 1]
             if reached:
                 hits, n = sum(a >= j for a in reached), len(reached)
-                self.accept[j] = (self.accept[j] * self.weight[j] + hits) / (self.weight[j] + n)
-                self.weight[j] = min(self.weight[j] + n, WINDOW)
+                age = self.rounds - 1 - self.seen[j]  # rounds since c_j was last observed (0: the last one)
+                w = max(float(PRIOR_WEIGHT), self.weight[j] * 0.5 ** (age / HALF_LIFE))
+                self.accept[j] = (self.accept[j] * w + hits) / (w + n)
+                self.weight[j] = min(w + n, WINDOW)
+                self.seen[j] = self.rounds
 
 
 class PrefillPacer:

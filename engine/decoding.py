@@ -180,7 +180,8 @@ class Draft:
     tree: Tree
     depth: int                        # levels drafted (a confidence cut may stop short of the round's depth)
     probs: torch.Tensor | None = None  # fp32 [B, N, V]: the q that drew each node (sampled chains), else None
-    backlog_s: float = 0.0            # seconds spent feeding the draft what earlier rounds left it
+    backlog_s: float = 0.0            # seconds spent feeding the draft what earlier steps left it
+    catch_up_s: float = 0.0           # of them, for the pairs rounds without drafts left (not the prompt's)
 
 
 @dataclass
@@ -195,7 +196,8 @@ class Verdict:
     """A round's outcome on the host (one copy)."""
     new_tokens: list[list[int]]    # per sequence: the accepted drafts + the bonus / corrected token
     depth: int = 0                 # levels drafted (0: a plain decode step)
-    backlog_s: float = 0.0         # of the round's time, feeding the draft what earlier rounds left it
+    backlog_s: float = 0.0         # of the round's time, feeding the draft what earlier steps left it
+    catch_up_s: float = 0.0        # of that, for the pairs rounds without drafts left (Draft.catch_up_s)
     logprobs: list[list[TokenLogprob] | None] | None = None  # per sequence asking: one per new token
     prompt_logprobs: list | None = None  # prefill: per sequence asking, its chunk's Sequence.prompt_logprobs
     prefill: "Verdict | None" = None     # a round that carried a prefill chunk: the chunk's verdict
@@ -370,7 +372,8 @@ class SpeculativeDecoder(Decoder):
         host = summary.tolist()
         N = (summary.shape[1] - 2) // 2
         new = [row[3 + N:3 + N + row[0]] + [row[1]] for row in host]
-        return Verdict(new, draft.depth, draft.backlog_s, read_logprobs(seqs, logprobs, [len(t) for t in new]))
+        return Verdict(new, draft.depth, draft.backlog_s, draft.catch_up_s,
+                       read_logprobs(seqs, logprobs, [len(t) for t in new]))
 
     def timer(self, attr: str):
         return Timer(self._stats, attr, self.runner.device) if self.timing else _UNTIMED

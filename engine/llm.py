@@ -269,7 +269,7 @@ class LLM:
         planned = round_depth(planned, caps)
         accepted = [n for n, cap in zip(verdict.lengths, caps) if cap >= planned]
         self.policy.observe(len(batch), planned, None if seconds is None else seconds - verdict.backlog_s,
-                            accepted, verdict.backlog_s)
+                            accepted, verdict.catch_up_s)
 
     def borrow(self, n: int = 1) -> "Borrowed":
         """n empty sequences in the target's cache beside the requests, for work outside decoding: `with

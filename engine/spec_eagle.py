@@ -155,7 +155,8 @@ class EagleDecoder(SpeculativeDecoder):
         head, tree_policy, runner = self.head, self.tree, self.runner
         # Pairs older than one round's tokens (left by prefill or rounds without drafts) are fed apart first:
         # their time is the backlog's, which an adaptive policy does not charge to this round.
-        backlog_s = self._feed_pending(seqs, keep=self.max_tree)
+        backlog_s, catch_up_s = self._feed_pending(seqs, keep=self.max_tree)
+        spent = dict(backlog_s=backlog_s, catch_up_s=catch_up_s)
         if tree_policy.chain:
             weights = head.chain_weights() if eagle_kernels.draft_chain_fit(self.features) else None
             if weights is not None:
@@ -164,7 +165,7 @@ class EagleDecoder(SpeculativeDecoder):
                 self._feed_pending(seqs)
                 tree = self._draft_chain(seqs, depth, caps)
             tree = grammar_prune(seqs, tree)
-            return Draft(tree, tree.num_nodes - 1, backlog_s=backlog_s)
+            return Draft(tree, tree.num_nodes - 1, **spent)
         roots = self._feed_round(seqs) if runner.bucketed else None
         if roots is None:
             self._feed_pending(seqs)
@@ -172,12 +173,12 @@ class EagleDecoder(SpeculativeDecoder):
             roots = (torch.stack([c.root[0] for c in cursors]), torch.stack([c.root[1] for c in cursors]))
         root_hidden, root_out = roots                                                        # [B, H] each
         if not tree_policy.min_prob and self.fused:
-            draft = Draft(self._draft_tree(seqs, depth, caps, root_hidden, root_out), depth, backlog_s=backlog_s)
+            draft = Draft(self._draft_tree(seqs, depth, caps, root_hidden, root_out), depth, **spent)
         else:
-            draft = self._draft_levels(seqs, depth, caps, root_hidden, root_out, backlog_s)
+            draft = self._draft_levels(seqs, depth, caps, root_hidden, root_out, spent)
         return dataclasses.replace(draft, tree=grammar_prune(seqs, draft.tree))
 
-    def _draft_levels(self, seqs, depth: int, caps: list[int], root_hidden, root_out, backlog_s: float) -> Draft:
+    def _draft_levels(self, seqs, depth: int, caps: list[int], root_hidden, root_out, spent: dict) -> Draft:
         """The tree drafted one step a level (each level's head forward its own StepGraph, the bookkeeping
         between them eager): the reference _draft_tree matches bit for bit, and the path of min_prob, whose
         confidence cut reads the scores on the host between levels."""
@@ -194,12 +195,12 @@ class EagleDecoder(SpeculativeDecoder):
         budget = tree_policy.verify_tokens - 1
         if floor is None:
             if tree.num_nodes - 1 <= budget and min(caps) >= levels:
-                return Draft(tree, levels, backlog_s=backlog_s)  # select would keep every node: as drafted
-            return Draft(tree.select(budget, runner.to_device(caps)), levels, backlog_s=backlog_s)
+                return Draft(tree, levels, **spent)  # select would keep every node: as drafted
+            return Draft(tree.select(budget, runner.to_device(caps)), levels, **spent)
         # Only candidates at least min_prob likely; a round verifies the root alone rather than decoding, so a
         # sampled sequence draws the same way whatever its companions drafted.
         tree = tree.select(budget, runner.to_device(caps), floor)
-        return Draft(tree.prefix(int(tree.sizes.max())), levels, backlog_s=backlog_s)
+        return Draft(tree.prefix(int(tree.sizes.max())), levels, **spent)
 
     def _levels(self, tokens, root_hidden, root_out, depth: int, forward):
         """The tree draft, level by level: yields (tree, its newest frontier's node ids [B, F]) after each
@@ -312,12 +313,14 @@ class EagleDecoder(SpeculativeDecoder):
     def _chain_fn(self, g):
         return self.head(g.inputs["ids"], g.inputs["hidden"], g.positions, self.head_layers[0], g.meta)
 
-    def _feed_pending(self, seqs, keep: int = 0) -> float:
+    def _feed_pending(self, seqs, keep: int = 0) -> tuple[float, float]:
         """Feed the unfed pairs of `seqs` in one head forward, all but each sequence's newest `keep`. With
-        keep 0 each last pair becomes its root. -> the seconds it took."""
+        keep 0 each last pair becomes its root. -> (the seconds it took, their share for the pairs past the
+        prompts: what rounds without drafts left, the catch-up an adaptive policy's re-probe brings; a
+        prompt's pairs are fed once whatever the policy plays)."""
         todo = [s for s in seqs if s.draft_state.fed < cached_len(s) - keep]
         if not todo:
-            return 0.0
+            return 0.0, 0.0
         t0 = time.perf_counter()
         starts = [s.draft_state.fed for s in todo]
         counts = [cached_len(s) - keep - f for s, f in zip(todo, starts)]
@@ -332,7 +335,10 @@ class EagleDecoder(SpeculativeDecoder):
             self.blocks.mark_side(s.seq_id, s.draft_state.fed - n, s.draft_state.fed)
             if not keep:  # the last pair is the root
                 s.draft_state.root = (hidden[end - 1], out[end - 1])
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        # pair t = (hidden_t, token_t+1): from t = P - 1 on (P prompt tokens) its token was generated
+        past = sum(f + n - max(f, min(f + n, len(s.prompt_ids) - 1)) for s, f, n in zip(todo, starts, counts))
+        return seconds, seconds * past / sum(counts)
 
     def _feed_round(self, seqs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """_feed_pending's feed of the last round's pairs as one fixed-shape step, the StepGraph ("feed", Bp)

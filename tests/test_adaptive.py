@@ -96,8 +96,11 @@ def test_drafting_must_promise_a_margin_over_plain_decoding(gain, drafts):
     """Depth 1 yields 1.5 tokens a round (every draft accepted half the time) in 1.5 / gain of a decode step's
     time, depth 2 is slow: a 5% promise is not worth drafting (cold starts and commits eat it), 25% is."""
     seconds = lambda batch, d: (0.020, 0.020 * 1.5 / gain, 0.1)[d]
-    chosen = simulate(SpeculationPolicy(CPU_TREE), 1, 300, seconds, [0.5, 0.5], random.Random(8))
-    assert (chosen[-100:].count(1) >= 90) if drafts else (chosen[-100:].count(0) >= 95)
+    played = sorted(simulate(SpeculationPolicy(CPU_TREE), 1, 300, seconds, [0.5, 0.5], random.Random(seed))[-100:]
+                    .count(1 if drafts else 0) for seed in range(10))
+    # as asked in most seeds, in all but one nearly always (a close call is re-probed now and then; an unlucky
+    # start, a first probe's drafts all rejected, can still keep a good depth out for a while)
+    assert played[5] >= 95 and played[1] >= 80
 
 
 def test_a_slow_first_round_does_not_lock_a_depth_out():
@@ -120,6 +123,23 @@ def test_acceptance_collapse_turns_speculation_off():
     simulate(policy, 1, 100, CPU, [0.6, 0.3], rng)
     chosen = simulate(policy, 1, 300, CPU, [0.0, 0.0], rng)
     assert chosen[-100:].count(0) >= 85
+
+
+def test_speculation_comes_back_when_acceptance_does():
+    """A request the head cannot draft for turns speculation off; the next, which it drafts well for, turns it
+    back on within a few hundred rounds: the old acceptance, unobserved since, counts less the older it
+    gets, so the policy's re-probes move it (a probe's one round against a full window's worth barely did)."""
+    seconds = lambda batch, d: (0.0070, 0.0085, 0.0100)[d]  # about the EPYC's rounds at batch 1
+    value = lambda chosen, accept: sum(1 + sum([accept[0], accept[0] * accept[1]][:d]) for d in chosen) / \
+        sum(seconds(1, d) for d in chosen)  # tokens a second the chosen depths yield
+    back, off = [], []
+    for seed in range(10):
+        policy, rng = SpeculationPolicy(CPU_TREE), random.Random(seed)
+        simulate(policy, 1, 128, seconds, [0.6, 0.35], rng)
+        off.append(value(simulate(policy, 1, 1000, seconds, [0.1, 0.0], rng)[100:], [0.1, 0.0]) * seconds(1, 0))
+        back.append(value(simulate(policy, 1, 1000, seconds, [0.6, 0.35], rng), [0.6, 0.35]) / (1.6 / seconds(1, 1)))
+    assert min(off) >= 0.99  # off: re-probes cost at most 1% of plain decoding
+    assert sorted(back)[5] >= 0.95 and min(back) >= 0.9  # back: close to always drafting depth 1 (the best)
 
 
 def test_a_settled_decision_holds_for_a_few_rounds():

@@ -181,6 +181,32 @@ def test_kv_budget_holds_the_draft_state_too(tmp_path):
     assert sizes["eagle3"] < sizes["vanilla"]
 
 
+@pytest.mark.parametrize("depth,topk", [(2, 1), (2, 2)])
+def test_the_policy_is_charged_the_catch_up_not_the_prompt_feed(llm, depth, topk):
+    """A request's first drafting round feeds its prompt's pairs: time kept out of the round's sample, but no
+    catch-up (a prompt is fed once whatever the policy plays; charged as one, a new request's prompt made the
+    policy's re-probes look too dear to ever run again). The pairs rounds without drafts left are catch-up."""
+    llm.set_method("eagle3", {"head": "random", "depth": depth, "topk": topk, "tree_tokens": depth * topk + 1,
+                              "adaptive": True})
+    schedule = iter([depth] + [0] * 6 + [depth] * NEW_LONG)
+    llm.policy.choose = lambda batch: next(schedule)
+    rounds, step, observe = [], llm.decoder.step, llm.policy.observe
+
+    def spy_step(*args, **kwargs):
+        v = step(*args, **kwargs)
+        rounds.append((v.depth, v.backlog_s, v.catch_up_s))
+        return v
+    charged = []
+    llm.decoder.step = spy_step
+    llm.policy.observe = lambda *a: (charged.append(a[-1]), observe(*a))
+    prompt = list(range(1, 40))
+    llm.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    (d1, backlog1, catch1), plain, (d8, backlog8, catch8) = rounds[0], rounds[1:7], rounds[7]
+    assert d1 == depth and backlog1 > 0 and catch1 == 0 and charged[0] == 0
+    assert all(r == (0, 0.0, 0.0) for r in plain)
+    assert d8 == depth and 0 < catch8 == backlog8 and charged[7] == catch8
+
+
 # min_prob reads the draft's scores on the host (the CPU's default, not the GPU's), so these run unguarded. Each
 # shape's cut lies inside the random head's top-1 probabilities here (0.01 - 0.1), so rounds get cut.
 GATED = {"chain": ({"depth": 3, "topk": 1, "tree_tokens": 4}, 0.02),
