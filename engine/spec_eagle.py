@@ -132,6 +132,12 @@ class EagleDecoder(SpeculativeDecoder):
         self.lookahead = max(tree.verify_tokens, fed - 1)
         self.max_tree = tree.verify_tokens
 
+    @functools.cached_property
+    def chain_weights(self):
+        """eagle_kernels.draft_chain's weights and formats, gathered once (None: the op does not fit, and a chain
+        is drafted op by op)."""
+        return self.head.chain_weights() if eagle_kernels.draft_chain_fit(self.features) else None
+
     def store(self, slots, feature, captured):
         if self.capture_into is None:
             self.features.index_copy_(0, slots, self.head.raw_feature(feature, captured))
@@ -152,15 +158,14 @@ class EagleDecoder(SpeculativeDecoder):
         return self.prefill_target(seqs, counts)
 
     def draft(self, seqs: list[Sequence], depth: int, caps: list[int]) -> Draft:
-        head, tree_policy, runner = self.head, self.tree, self.runner
+        tree_policy, runner = self.tree, self.runner
         # Pairs older than one round's tokens (left by prefill or rounds without drafts) are fed apart first:
         # their time is the backlog's, which an adaptive policy does not charge to this round.
         backlog_s, catch_up_s = self._feed_pending(seqs, keep=self.max_tree)
         spent = dict(backlog_s=backlog_s, catch_up_s=catch_up_s)
         if tree_policy.chain:
-            weights = head.chain_weights() if eagle_kernels.draft_chain_fit(self.features) else None
-            if weights is not None:
-                tree = self._chain_in_one_call(seqs, depth, caps, *weights)
+            if self.chain_weights is not None:
+                tree = self._chain_in_one_call(seqs, depth, caps, *self.chain_weights)
             else:
                 self._feed_pending(seqs)
                 tree = self._draft_chain(seqs, depth, caps)
