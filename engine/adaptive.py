@@ -35,7 +35,9 @@ batch 1), and stops paying once the batch alone fills the device: then d* = 0.
   whose value is close to the best (or cannot be predicted yet) is tried once if it is unmeasured in this
   bucket, and re-probed (the stalest first) while re-probes have taken less than PROBE_SHARE of the
   bucket's time. A probe's cost includes catching the draft up on the rounds that drafted nothing (an EAGLE
-  head feeds every token since it last ran: after a long stretch at depth 0, more than the probe itself). Close means within SLACK, a margin that widens by SLACK every AGING rounds the depth goes
+  head feeds every token since it last ran: after a long stretch at depth 0, more than the probe itself): the
+  pairs the batch's draft is behind by, which the caller counts (a new request's prompt is no catch-up),
+  times the seconds a pair last took. Close means within SLACK, a margin that widens by SLACK every AGING rounds the depth goes
   unplayed, since its estimates age: a burst of contention that made a depth look slow, or prompts that
   got easier to draft, is re-checked sooner or later, and nothing the measurements predict to be clearly
   worse is ever tried early, nor more than the budget allows.
@@ -74,8 +76,7 @@ class SpeculationPolicy:
         self.tried: dict[tuple[int, int], int] = {}       # (bucket, d) -> the round it was last played
         self.spent: dict[int, float] = {}                 # bucket -> seconds of all its rounds
         self.probed: dict[int, float] = {}                # bucket -> seconds of its re-probes
-        self.drafted: dict[int, int] = {}                 # bucket -> the round it last drafted
-        self.catch_up = 0.0                               # seconds of draft catch-up per round not drafted
+        self.catch_up = 0.0                               # seconds of draft catch-up per pair behind
         self.rounds = 0
         self.held: tuple[int, int, int] | None = None     # (batch, depth, round) of the last plain decision
 
@@ -87,8 +88,9 @@ class SpeculationPolicy:
             total += r
         return total
 
-    def choose(self, batch: int) -> int:
-        """The depth to draft this round for a batch of `batch` sequences. Weighing every depth costs ~30 us of
+    def choose(self, batch: int, behind: int = 0) -> int:
+        """The depth to draft this round for a batch of `batch` sequences, whose draft is `behind` pairs behind
+        (what a drafting round would first catch up on). Weighing every depth costs ~30 us of
         Python, ~1% of a CPU decode step: a plain decision (the best depth, its SAMPLES window full, no probe
         due) holds for REUSE rounds at the same batch size (a probe falling due waits at most that long)."""
         held = self.held
@@ -113,8 +115,7 @@ class SpeculationPolicy:
         if new:
             return min(new)
         budget = PROBE_SHARE * self.spent.get(k, 0.0) - self.probed.get(k, 0.0)
-        behind = self.catch_up * (rounds - self.drafted.get(k, rounds))  # the catch-up a probe would bring
-        due = [d for d in close if seconds[d] + behind <= budget]
+        due = [d for d in close if seconds[d] + self.catch_up * behind <= budget]  # a probe catches up first
         if not due:
             self.held = (batch, best, rounds) if settled else None
             return best
@@ -150,16 +151,15 @@ class SpeculationPolicy:
         slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts))
         return max(0.0, my + slope * (rows - mx))
 
-    def observe(self, batch: int, d: int, seconds: float | None, accepted: list[int], backlog: float = 0.0):
+    def observe(self, batch: int, d: int, seconds: float | None, accepted: list[int], backlog: float = 0.0,
+                behind: int = 0):
         """A finished round: its depth, wall time (None: not representative; without `backlog`), the accepted
         draft lengths of the sequences that could have reached depth d, and the seconds it spent catching the
-        draft up on rounds that drafted nothing (charged to the re-probe budget)."""
+        draft up on the `behind` pairs rounds that drafted nothing left (charged to the re-probe budget)."""
         k = bucket(batch)
         self.probed[k] = self.probed.get(k, 0.0) + backlog
-        if d:
-            if backlog and k in self.drafted:
-                self.catch_up = backlog / max(1, self.rounds - self.drafted[k] - 1)
-            self.drafted[k] = self.rounds
+        if d and backlog and behind:
+            self.catch_up = backlog / behind
         self.tried[k, d], self.rounds = self.rounds, self.rounds + 1
         if seconds is not None:
             self.samples.setdefault((k, d), deque(maxlen=SAMPLES)).append((batch, seconds))

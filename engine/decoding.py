@@ -257,6 +257,11 @@ class SpeculativeDecoder(Decoder):
     def catch_up(self, seqs: list[Sequence], verdict: Verdict):
         raise NotImplementedError
 
+    def behind(self, seqs: list[Sequence]) -> int:
+        """Pairs past the prompts the draft would catch up on before drafting (Draft.catch_up_s's): none where
+        it keeps up every round."""
+        return 0
+
     def verify(self, seqs: list[Sequence], tree: Tree, draft_probs=None) -> torch.Tensor:
         """Run the target once over every tree (root + drafts), accept the longest lossless path and move
         its KV (and what `store` keeps) to consecutive positions. Device only. -> summary int64 [B, 2N + 2]

@@ -181,7 +181,8 @@ class LLM:
         mixing = False
         if batch:
             self.scheduler.prepare(batch)
-            planned = self.policy.choose(len(batch)) if self.policy else self.decoder.max_depth
+            behind = self.decoder.behind(batch) if self.policy else 0
+            planned = self.policy.choose(len(batch), behind) if self.policy else self.decoder.max_depth
             mixing = not planned and self.decoder.mixes and not self.runner.cuda_graphs
             chunk = self._chunk(stats, self.pacer.round_s, len(batch)) if mixing else None
             if chunk and not self.pacer.mix():
@@ -197,7 +198,7 @@ class LLM:
                 # first-use allocations and the head's fused weights on a CPU (~1.5x a steady round, enough
                 # to rule a depth out); nor is one that carried a prefill chunk.
                 sample = None if chunk or len(self.decoder.graphs) > built else seconds
-                self._observe(batch, planned, verdict, sample)
+                self._observe(batch, planned, verdict, sample, behind)
             stats.decode_s += done.decode_s
             stats.prefill_s += seconds - done.decode_s
             stats.steps += 1
@@ -261,7 +262,7 @@ class LLM:
                 on_tokens(seq, kept)
         return lengths
 
-    def _observe(self, batch: list[Sequence], planned: int, verdict, seconds: float | None):
+    def _observe(self, batch: list[Sequence], planned: int, verdict, seconds: float | None, behind: int):
         """The policy learns from a round as the depth it chose (confidence cuts included: its time and
         tokens are what choosing it yields), over the sequences that could reach it; feeding the draft what
         earlier rounds left is not this round's cost."""
@@ -269,7 +270,7 @@ class LLM:
         planned = round_depth(planned, caps)
         accepted = [n for n, cap in zip(verdict.lengths, caps) if cap >= planned]
         self.policy.observe(len(batch), planned, None if seconds is None else seconds - verdict.backlog_s,
-                            accepted, verdict.catch_up_s)
+                            accepted, verdict.catch_up_s, behind)
 
     def borrow(self, n: int = 1) -> "Borrowed":
         """n empty sequences in the target's cache beside the requests, for work outside decoding: `with

@@ -398,5 +398,10 @@ class EagleDecoder(SpeculativeDecoder):
         rope = meta.prefix_lens[:, None] + depths
         return self.head(ids.flatten(), hidden.flatten(0, 1), rope.flatten(), self.head_layers[0], meta)
 
+    def behind(self, seqs: list[Sequence]) -> int:
+        """The pairs _feed_pending's backlog would feed past the prompts (a round feeds its newest max_tree)."""
+        return sum(max(0, cached_len(s) - self.max_tree - max(s.draft_state.fed, len(s.prompt_ids) - 1))
+                   for s in seqs if s.draft_state is not None)
+
     def catch_up(self, seqs: list[Sequence], v: Verdict):
         """The accepted rows are in `features` already (verify moved them); the next draft feeds them."""

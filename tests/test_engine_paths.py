@@ -75,7 +75,7 @@ def forbid_host_reads(decoder):
 def force_depths(policy):
     """The policy still decides but the schedule picks the depth."""
     choose, schedule = policy.choose, itertools.cycle(DEPTHS)
-    policy.choose = lambda batch: (choose(batch), next(schedule))[1]
+    policy.choose = lambda batch, behind=0: (choose(batch, behind), next(schedule))[1]
 
 
 def run(llm, prompts, method, args, greedy=True, new=NEW):
@@ -188,8 +188,8 @@ def test_the_policy_is_charged_the_catch_up_not_the_prompt_feed(llm, depth, topk
     policy's re-probes look too dear to ever run again). The pairs rounds without drafts left are catch-up."""
     llm.set_method("eagle3", {"head": "random", "depth": depth, "topk": topk, "tree_tokens": depth * topk + 1,
                               "adaptive": True})
-    schedule = iter([depth] + [0] * 6 + [depth] * NEW_LONG)
-    llm.policy.choose = lambda batch: next(schedule)
+    schedule, told = iter([depth] + [0] * 6 + [depth] * NEW_LONG), []
+    llm.policy.choose = lambda batch, behind=0: (told.append(behind), next(schedule))[1]
     rounds, step, observe = [], llm.decoder.step, llm.policy.observe
 
     def spy_step(*args, **kwargs):
@@ -198,13 +198,16 @@ def test_the_policy_is_charged_the_catch_up_not_the_prompt_feed(llm, depth, topk
         return v
     charged = []
     llm.decoder.step = spy_step
-    llm.policy.observe = lambda *a: (charged.append(a[-1]), observe(*a))
+    llm.policy.observe = lambda *a: (charged.append(a[-2]), observe(*a))
     prompt = list(range(1, 40))
     llm.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))
     (d1, backlog1, catch1), plain, (d8, backlog8, catch8) = rounds[0], rounds[1:7], rounds[7]
     assert d1 == depth and backlog1 > 0 and catch1 == 0 and charged[0] == 0
     assert all(r == (0, 0.0, 0.0) for r in plain)
     assert d8 == depth and 0 < catch8 == backlog8 and charged[7] == catch8
+    # what the policy is told the draft is behind by: nothing for the prompt, at most a pair a round without
+    # drafts (a round feeds the newest few itself), and the catch-up's seconds a pair are learnt from it
+    assert told[0] == 0 and 0 < told[7] <= 6 and llm.policy.catch_up == catch8 / told[7]
 
 
 # min_prob reads the draft's scores on the host (the CPU's default, not the GPU's), so these run unguarded. Each
