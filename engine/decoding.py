@@ -70,7 +70,7 @@ class Decoder:
         prompts' rows, and one sampler pass over theirs and the completed prompts' rows) -> the lead's decode
         Verdict, the chunk's as its `prefill`."""
         B, starts = len(lead), [s.prefilled for s in seqs]
-        ids = [s.all_ids[-1] for s in lead] + [t for s, a, n in zip(seqs, starts, counts) for t in s.prompt_ids[a:a + n]]
+        ids = [s.last_id for s in lead] + [t for s, a, n in zip(seqs, starts, counts) for t in s.prompt_ids[a:a + n]]
         plan = self.plan([*lead, *seqs], [cached_len(s) for s in lead] + starts, [1] * B + counts)
         meta, pos, ids = self.runner.meta(plan, ids=ids)
         feature, captured = self.model(ids, pos, self.runner.layers, meta, self.capture, self.capture_into)
@@ -131,7 +131,7 @@ class Decoder:
         Bp = self.runner.batch_rows(B)
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [1] * B).padded(Bp)
         g = self.runner.graph(self.graphs, ("decode", Bp), plan, self._decode, {}, host_ids=True)
-        logits = g.run(plan, host_ids=[s.all_ids[-1] for s in seqs])
+        logits = g.run(plan, host_ids=[s.last_id for s in seqs])
         return self.sampled(seqs, self.sampler.adjust(logits[:B], seqs))
 
     def sampled(self, seqs: list[Sequence], logits: torch.Tensor) -> "Verdict":
@@ -471,6 +471,6 @@ def round_depth(depth: int, caps: list[int]) -> int:
 def depth_caps(seqs: list[Sequence], max_position: int) -> list[int]:
     """The deepest draft worth verifying per sequence: a round yields at most depth + 1 tokens, and tree
     positions (the root's + depth) must stay inside the model's context."""
-    return [max(0, min(s.params.max_new_tokens - len(s.output_ids) - 1, max_position - len(s.all_ids)))
+    return [max(0, min(s.params.max_new_tokens - len(s.output_ids) - 1, max_position - s.num_tokens))
             for s in seqs]
 

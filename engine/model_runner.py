@@ -52,6 +52,7 @@ class ModelRunner:
         self.kv = self.new_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         self.layers = kv_layers(self.kv)
         self._staging = Staging(device)
+        self._padding = array.array("i")  # a table row's padding: scratch block ids
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
 
     @staticmethod
@@ -78,18 +79,28 @@ class ModelRunner:
 
     # --- metadata ------------------------------------------------------------------------------------------
 
-    def _plan_ints(self, plan: StepPlan, ids: list[int] | None) -> list[int]:
-        """[slots T | cache positions T | cu B + 1 | prefix B | tables B * width | ids T]."""
+    def _plan_ints(self, plan: StepPlan, ids: list[int] | None) -> array.array:
+        """int32 [slots T | cache positions T | cu B + 1 | prefix B | tables B * width | ids T]. Built with
+        C-level extends: the tables are B * width ints a step (mostly padding), too many for a Python loop
+        at large batches."""
         bs, width, scratch = self.block_size, self.width, self.scratch
-        slots, pos, cu = [], [], [0]
+        slots, pos, cu = array.array("i"), array.array("i"), array.array("i", [0])
         for table, start, n in zip(plan.tables, plan.starts, plan.counts):
             for p in range(start, start + n):
                 blk = p // bs
                 slots.append((table[blk] if blk < len(table) else scratch) * bs + p % bs)
             pos.extend(range(start, start + n))
             cu.append(cu[-1] + n)
-        tables = [b for t in plan.tables for b in (t[:width] + [scratch] * (width - len(t)))]
-        return slots + pos + cu + list(plan.starts) + tables + (ids or [])
+        if len(self._padding) != width:
+            self._padding = array.array("i", [scratch]) * width
+        out = slots + pos + cu
+        out.extend(plan.starts)
+        for t in plan.tables:
+            out.extend(t[:width])
+            out.extend(self._padding[:width - len(t)])
+        if ids:
+            out.extend(ids)
+        return out
 
     def _views(self, buf: torch.Tensor, plan: StepPlan, tree_mask=None, with_ids=False):
         """Metadata views into one int32 device buffer laid out by _plan_ints."""
@@ -162,8 +173,10 @@ class Staging:
         self.device, self.cuda = device, device.type == "cuda"
         self._bufs, self._events, self._next = [None] * self.RING, [None] * self.RING, 0
 
-    def to_device(self, ints: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        host = torch.frombuffer(array.array("i", ints), dtype=torch.int32) if ints else torch.empty(0, dtype=torch.int32)
+    def to_device(self, ints: "list[int] | array.array", out: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(ints, array.array):
+            ints = array.array("i", ints)
+        host = torch.frombuffer(ints, dtype=torch.int32) if ints else torch.empty(0, dtype=torch.int32)
         if not self.cuda:
             return host if out is None else out.copy_(host)
         i, self._next = self._next, (self._next + 1) % self.RING

@@ -116,7 +116,25 @@ class Sequence:
 
     @property
     def all_ids(self) -> list[int]:
+        """A new list of every token (O(length): per-step code reads last_id, num_tokens or span)."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_id(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def span(self, a: int, b: int) -> list[int]:
+        """The tokens at positions [a, b) (0 <= a <= b), without copying the rest."""
+        P = len(self.prompt_ids)
+        if b <= P:
+            return self.prompt_ids[a:b]
+        if a >= P:
+            return self.output_ids[a - P:b - P]
+        return self.prompt_ids[a:] + self.output_ids[:b - P]
 
     @property
     def finished(self) -> bool:
@@ -269,7 +287,7 @@ class Scheduler:
         """Offer the sequence's newly full blocks to the prefix cache: those wholly below its final tokens,
         each keyed with the token after it."""
         bs, have = self.blocks.block_size, len(seq.block_keys)
-        full = min(final_len(seq), len(seq.all_ids) - 1) // bs
+        full = min(final_len(seq), seq.num_tokens - 1) // bs
         if full > have:
             new = seq.prompt_keys[have:full]
             if len(new) < full - have:
@@ -291,7 +309,7 @@ class Scheduler:
             if tok in self.eos_ids and not seq.params.ignore_eos or complete:
                 seq.finish_reason = "stop"
             elif len(seq.output_ids) >= seq.params.max_new_tokens or \
-                    len(seq.all_ids) >= self.max_model_len:
+                    seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
             if seq.finished:
                 break

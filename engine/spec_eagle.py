@@ -190,7 +190,7 @@ class EagleDecoder(SpeculativeDecoder):
         tree_policy, runner = self.tree, self.runner
         floor = math.log(tree_policy.min_prob) if tree_policy.min_prob else None
         starts = [cached_len(s) - 1 for s in seqs]
-        tokens = runner.to_device([s.all_ids[-1] for s in seqs])
+        tokens = runner.to_device([s.last_id for s in seqs])
         levels = depth
         forward = lambda fed, hidden: self._forward(seqs, starts, fed, hidden)  # noqa: E731
         for d, (tree, front) in enumerate(self._levels(tokens, root_hidden, root_out, depth, forward), 1):
@@ -245,7 +245,7 @@ class EagleDecoder(SpeculativeDecoder):
         g = runner.graph(self.graphs, ("draft_tree", Bp, depth), plan, fn, {
             "tokens": ((Bp,), torch.int64), "caps": ((Bp,), torch.int64),
             "hidden": ((Bp, H), root_hidden.dtype), "out": ((Bp, H), root_out.dtype)})
-        ints = runner.to_device([s.all_ids[-1] for s in seqs] + caps)                       # [2B]
+        ints = runner.to_device([s.last_id for s in seqs] + caps)                       # [2B]
         return g.run(plan, tokens=ints[:B], caps=ints[B:], hidden=root_hidden, out=root_out).rows(B)
 
     def _draft_tree_fn(self, depth: int, g) -> Tree:
@@ -273,7 +273,7 @@ class EagleDecoder(SpeculativeDecoder):
         levels = min(depth, policy.verify_tokens - 1)
         starts = [cached_len(s) - 1 for s in seqs]
         out = torch.stack([s.draft_state.root[1] for s in seqs])                            # [B, H]
-        tokens = [runner.to_device([s.all_ids[-1] for s in seqs])]                          # per level: [B]
+        tokens = [runner.to_device([s.last_id for s in seqs])]                          # per level: [B]
         score = torch.zeros(B, device=out.device)                                            # log-prob [B]
         floor = math.log(policy.min_prob) if policy.min_prob else None
         lengths = [min(levels, c) for c in caps]
@@ -302,7 +302,7 @@ class EagleDecoder(SpeculativeDecoder):
         head, policy = self.head, self.tree
         starts = [min(s.draft_state.fed, cached_len(s) - 1) for s in seqs]
         counts = [cached_len(s) - f for s, f in zip(seqs, starts)]
-        tokens = [t for s, f, n in zip(seqs, starts, counts) for t in s.all_ids[f + 1:f + 1 + n]]
+        tokens = [t for s, f, n in zip(seqs, starts, counts) for t in s.span(f + 1, f + 1 + n)]
         meta, pos, ids = self.runner.meta(self.plan(seqs, starts, counts), ids=tokens)
         levels = min(depth, policy.verify_tokens - 1)
         with eagle_kernels.unchecked():
@@ -329,7 +329,7 @@ class EagleDecoder(SpeculativeDecoder):
         t0 = time.perf_counter()
         starts = [s.draft_state.fed for s in todo]
         counts = [cached_len(s) - keep - f for s, f in zip(todo, starts)]
-        tokens = [t for s, f, n in zip(todo, starts, counts) for t in s.all_ids[f + 1:f + 1 + n]]
+        tokens = [t for s, f, n in zip(todo, starts, counts) for t in s.span(f + 1, f + 1 + n)]
         meta, pos, ids = self.runner.meta(self.plan(todo, starts, counts), ids=tokens)
         hidden = self.head.project(self.features.index_select(0, meta.slot_mapping))        # [T, H]
         out = self.head(ids, hidden, pos, self.head_layers[0], meta)
@@ -360,7 +360,7 @@ class EagleDecoder(SpeculativeDecoder):
         B, runner = len(seqs), self.runner
         Bp = runner.batch_rows(B)
         plan = self.plan(seqs, starts, [K] * B).padded(Bp)
-        ids = [t for s, f, n in zip(seqs, starts, counts) for t in s.all_ids[f + 1:f + 1 + n] + [0] * (K - n)]
+        ids = [t for s, f, n in zip(seqs, starts, counts) for t in s.span(f + 1, f + 1 + n) + [0] * (K - n)]
         g = runner.graph(self.graphs, ("feed", Bp), plan, self._feed_fn, {"last": ((Bp,), torch.int64)},
                          host_ids=True)
         hidden, out = g.run(plan, host_ids=ids, last=runner.to_device([b * K + n - 1 for b, n in enumerate(counts)]))

@@ -86,7 +86,7 @@ class SpSDecoder(SpeculativeDecoder):
         params = [s.params for s in seqs]
         sampled = [b for b, p in enumerate(params) if not p.greedy]
         logits = torch.stack([s.draft_state for s in seqs])                                  # [B, V]
-        tokens = [self.runner.to_device([s.all_ids[-1] for s in seqs])]
+        tokens = [self.runner.to_device([s.last_id for s in seqs])]
         probs = [torch.zeros_like(logits)] if sampled else None
         starts = [cached_len(s) + 1 for s in seqs]
         for i in range(k):

@@ -73,3 +73,16 @@ def test_prepare_reserves_the_lookahead_and_commit_cuts_back_to_the_cache_invari
     assert s.blocks.length(seq.seq_id) == cached_len(seq) == 6 and s.blocks.num_free == 6
     s.commit(seq, [1] * 8)  # finishes at max_new_tokens: retirement frees it
     assert seq.finish_reason == "length" and s.retire_finished() == [seq] and s.blocks.num_free == 8
+
+
+def test_token_views_match_all_ids():
+    """last_id, num_tokens and span read a sequence's tokens without building all_ids; they must agree with it
+    on every range, across the prompt / output boundary and past the end."""
+    seq = Sequence([10, 11, 12, 13], SamplingParams())
+    for step in range(4):
+        ids = seq.all_ids
+        assert seq.last_id == ids[-1] and seq.num_tokens == len(ids)
+        for a in range(len(ids) + 2):
+            for b in range(a, len(ids) + 3):
+                assert seq.span(a, b) == ids[a:b], (step, a, b)
+        seq.output_ids.append(20 + step)
