@@ -16,7 +16,11 @@ batch 1), and stops paying once the batch alone fills the device: then d* = 0.
   moves with the prompts' predictability as the played depths see it. Evidence ages: a c_j unobserved for
   a while (speculation off) counts half every HALF_LIFE rounds against what comes next, so after a request
   the head could not draft for, the next one's re-probes move the estimate (one probe round against a full
-  window's worth of old evidence barely did: speculation stayed off for the requests after).
+  window's worth of old evidence barely did: speculation stayed off for the requests after). A new request
+  is expected to draft like requests in general, not like the one before it: its first round blends the
+  batch's c_j toward the long-run means m_j (every observation, a window of LONG_WINDOW) by its share of the
+  batch, as evidence worth FRESH_WEIGHT sequence-rounds at most, so one hard request does not keep
+  speculation off for the next ones until a re-probe happens to come.
 - Cost: round wall times, kept per (batch bucket, d); batches are bucketed by powers of two. Samples taken
   at exactly this batch size are preferred; others in the bucket are scaled per sequence. The estimate is
   the fastest of the last SAMPLES: contention on a shared machine only ever adds time, and comes in bursts
@@ -26,9 +30,12 @@ batch 1), and stops paying once the batch alone fills the device: then d* = 0.
   (rows = B * N_d verified tokens); with fewer than two distinct row counts measured there is no
   prediction and the shape is simply tried. A shape measured once counts as the lower of its sample and
   the prediction, so one slow first run (a noisy neighbour) does not lock a depth out.
-- Drafting must promise MARGIN more than plain decoding (its value is discounted by 1 + MARGIN): the round
-  times it is judged by leave out what drafting costs around them (the head's weights and caches warming
-  again after a pause, the longer commit), and a close call is not worth a loss.
+- To start drafting, a depth must promise MARGIN more than plain decoding (its value is discounted by
+  1 + MARGIN): the round times it is judged by leave out what drafting costs around them (the head's
+  weights and caches warming again after a pause, the longer commit), and a close call is not worth a
+  loss. Once the best depth drafts, only STAY_MARGIN: its steady rounds' times hold those costs, and a
+  full margin both ways gave up drafting that paid 5-10% (measured: `auto` at 1.01-1.05x vanilla where a
+  fixed chain made 1.08-1.11x).
 - Exploring: a new bucket first plays depth 0 for SAMPLES rounds (the baseline every depth is weighed
   against, measured over a window: a single cold first round must not make drafting look better than it
   is). Then the best measured depth is played, except that a depth
@@ -50,11 +57,14 @@ SAMPLES = 8         # round times kept per (bucket, depth)
 WINDOW = 64         # sequence-rounds the acceptance rates average over
 PRIOR_WEIGHT = 1    # sequence-rounds the optimistic prior (every draft accepted) is worth
 HALF_LIFE = 32      # rounds unobserved after which an acceptance rate's evidence counts half
+LONG_WINDOW = 1024  # sequence-rounds the long-run acceptance means average over
+FRESH_WEIGHT = 8    # sequence-rounds a new request's share of the long-run mean counts as
 SLACK = 0.1         # a depth within 10% of the best is a close call, worth re-probing ...
 AGING = 100         # ... and the margin grows by SLACK every AGING rounds its estimate goes unrefreshed
 PROBE_SHARE = 0.01  # of a bucket's round time, the most its re-probes may take
 REUSE = 8           # rounds a plain decision (the best depth, settled, no probe due) holds at the same batch size
-MARGIN = 0.1        # drafting's value is discounted by this much against plain decoding
+MARGIN = 0.1        # drafting's value is discounted by this much against plain decoding to start drafting ...
+STAY_MARGIN = 0.02  # ... and by this much to go on (the bucket's best depth was a drafting one)
 
 
 def bucket(batch: int) -> int:
@@ -72,10 +82,13 @@ class SpeculationPolicy:
         self.accept = [1.0] * (self.depth + 1)            # c_j (c_0 unused)
         self.weight = [float(PRIOR_WEIGHT)] * (self.depth + 1)
         self.seen = [0] * (self.depth + 1)                # the round c_j was last observed
+        self.mean = [1.0] * (self.depth + 1)              # m_j: c_j over every observation (long run)
+        self.mean_weight = [float(PRIOR_WEIGHT)] * (self.depth + 1)
         self.samples: dict[tuple[int, int], deque] = {}   # (bucket, d) -> (batch, seconds)
         self.tried: dict[tuple[int, int], int] = {}       # (bucket, d) -> the round it was last played
         self.spent: dict[int, float] = {}                 # bucket -> seconds of all its rounds
         self.probed: dict[int, float] = {}                # bucket -> seconds of its re-probes
+        self.settled: dict[int, int] = {}                 # bucket -> the best depth of its last decision
         self.catch_up = 0.0                               # seconds of draft catch-up per pair behind
         self.rounds = 0
         self.held: tuple[int, int, int] | None = None     # (batch, depth, round) of the last plain decision
@@ -88,11 +101,14 @@ class SpeculationPolicy:
             total += r
         return total
 
-    def choose(self, batch: int, behind: int = 0) -> int:
+    def choose(self, batch: int, behind: int = 0, fresh: int = 0) -> int:
         """The depth to draft this round for a batch of `batch` sequences, whose draft is `behind` pairs behind
-        (what a drafting round would first catch up on). Weighing every depth costs ~30 us of
-        Python, ~1% of a CPU decode step: a plain decision (the best depth, its SAMPLES window full, no probe
-        due) holds for REUSE rounds at the same batch size (a probe falling due waits at most that long)."""
+        (what a drafting round would first catch up on), `fresh` of them in their first decoding round (new
+        requests). Weighing every depth costs ~30 us of Python, ~1% of a CPU decode step: a plain decision
+        (the best depth, its SAMPLES window full, no probe due) holds for REUSE rounds at the same batch size
+        (a probe falling due waits at most that long)."""
+        if fresh:
+            self.welcome(min(fresh, batch) / batch)
         held = self.held
         if held is not None and held[0] == batch and self.rounds - held[2] < REUSE:
             return held[1]
@@ -101,9 +117,11 @@ class SpeculationPolicy:
         if len(self.samples.get((k, 0), ())) < SAMPLES and not any((k, d) in self.samples for d in depths[1:]):
             return 0  # a new bucket starts with the cheapest round, the baseline every depth is compared with
         seconds = [self.seconds(batch, d) for d in depths]
-        value = [float("inf") if t is None else batch * self.expected_tokens(d) / max(t, 1e-9) / (1 + MARGIN * (d > 0))
+        margin = STAY_MARGIN if self.settled.get(k, 0) else MARGIN  # probes do not change it
+        value = [float("inf") if t is None else batch * self.expected_tokens(d) / max(t, 1e-9) / (1 + margin * (d > 0))
                  for d, t in zip(depths, seconds)]
         best = max((d for d in depths if (k, d) in self.samples), key=lambda d: value[d])
+        self.settled[k] = best
         rounds, tried, floor = self.rounds, self.tried, (1 - SLACK) * value[best]
         close = [d for d in depths if d != best and
                  value[d] >= floor - SLACK * (rounds - tried.get((k, d), rounds)) / AGING * value[best]]
@@ -122,6 +140,15 @@ class SpeculationPolicy:
         probe = max(due, key=lambda d: rounds - tried.get((k, d), rounds))
         self.probed[k] = self.probed.get(k, 0.0) + seconds[probe]
         return probe
+
+    def welcome(self, share: float):
+        """New requests make up `share` of the batch: its acceptance estimates move toward the long-run means
+        by that share, and count as at most FRESH_WEIGHT observations (the new requests' own rounds soon
+        outweigh them)."""
+        for j in range(1, self.depth + 1):
+            self.accept[j] += share * (self.mean[j] - self.accept[j])
+            self.weight[j] = max(float(PRIOR_WEIGHT), min(self.weight[j], FRESH_WEIGHT / share))
+        self.held = None
 
     def seconds(self, batch: int, d: int) -> float | None:
         """Estimated round time at this batch size and depth; None when there is nothing to go on."""
@@ -173,6 +200,9 @@ class SpeculationPolicy:
                 self.accept[j] = (self.accept[j] * w + hits) / (w + n)
                 self.weight[j] = min(w + n, WINDOW)
                 self.seen[j] = self.rounds
+                m = self.mean_weight[j]
+                self.mean[j] = (self.mean[j] * m + hits) / (m + n)
+                self.mean_weight[j] = min(m + n, LONG_WINDOW)
 
 
 class PrefillPacer:

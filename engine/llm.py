@@ -188,7 +188,8 @@ class LLM:
         if batch:
             self.scheduler.prepare(batch)
             behind = self.decoder.behind(batch) if self.policy else 0
-            planned = self.policy.choose(len(batch), behind) if self.policy else self.decoder.max_depth
+            fresh = sum(len(s.output_ids) == 1 for s in batch) if self.policy else 0  # their first round
+            planned = self.policy.choose(len(batch), behind, fresh) if self.policy else self.decoder.max_depth
             mixing = not planned and self.decoder.mixes and not self.runner.cuda_graphs
             chunk = self._chunk(stats, self.pacer.round_s, len(batch)) if mixing else None
             if chunk and not self.pacer.mix():

@@ -75,7 +75,7 @@ def forbid_host_reads(decoder):
 def force_depths(policy):
     """The policy still decides but the schedule picks the depth."""
     choose, schedule = policy.choose, itertools.cycle(DEPTHS)
-    policy.choose = lambda batch, behind=0: (choose(batch, behind), next(schedule))[1]
+    policy.choose = lambda batch, behind=0, fresh=0: (choose(batch, behind, fresh), next(schedule))[1]
 
 
 def run(llm, prompts, method, args, greedy=True, new=NEW):
@@ -189,7 +189,7 @@ def test_the_policy_is_charged_the_catch_up_not_the_prompt_feed(llm, depth, topk
     llm.set_method("eagle3", {"head": "random", "depth": depth, "topk": topk, "tree_tokens": depth * topk + 1,
                               "adaptive": True})
     schedule, told = iter([depth] + [0] * 6 + [depth] * NEW_LONG), []
-    llm.policy.choose = lambda batch, behind=0: (told.append(behind), next(schedule))[1]
+    llm.policy.choose = lambda batch, behind=0, fresh=0: (told.append(behind), next(schedule))[1]
     rounds, step, observe = [], llm.decoder.step, llm.policy.observe
 
     def spy_step(*args, **kwargs):
