@@ -225,7 +225,7 @@ class Cycle:
     def __init__(self, depths):
         self.depths, self.i = depths, 0
 
-    def choose(self, batch, behind=0):
+    def choose(self, batch, behind=0, fresh=0):
         self.i += 1
         return self.depths[(self.i - 1) % len(self.depths)]
 
