@@ -7,7 +7,11 @@
 # eval.json and the logs' tails.
 #
 #   bash benchmarks/gpu_train_run.sh      # env: TRAIN_MIN (default 5), DEVICE (cuda), SKIP_BUILD=1,
-#                                         # SKIP_PROMPTS (default 0), REPLIES_SHARE (default 0.45)
+#                                         # SKIP_PROMPTS (default 0), REPLIES_SHARE (default 0.45),
+#                                         # TRAIN_ARGS (more train.pipeline flags, e.g. --num-prompts 0)
+#
+# Reply parts staged with gpu_train_stage.py --replies (the CPU's, from earlier sessions) are trained on
+# beside the run's own (train.pipeline --replies-from).
 #
 # Each GPU session continues from the shipped head on prompts no earlier session answered: SKIP_PROMPTS is the
 # sum of the earlier runs' eval.json `replies.prompts` (benchmarks/RESULTS.md, "GPU" -> head training, lists
@@ -59,11 +63,14 @@ fi
 
 run=/tmp/gpu_train_run
 rm -rf "$run"
+from=()  # reply parts generated elsewhere (gpu_train_stage.py --replies): trained on beside the run's own
+for d in "$last"/replies/*/; do [ -d "$d" ] && from+=(--replies-from "$d"); done
+stamp "replies from elsewhere: $(( ${#from[@]} / 2 )) directories"
 minutes=${TRAIN_MIN:-5}
 timeout "$($PY -c "print(int(float('$minutes') * 60) + 150)")" $PY -m train.pipeline --out "$run" --device "${DEVICE:-cuda}" \
     --model "$target" --sharegpt "$last/sharegpt_prompts.json.gz" --init engine/heads/smollm2-135m-eagle3 --draft-vocab 8192 \
     --minutes "$minutes" --skip-prompts "${SKIP_PROMPTS:-0}" --replies-share "${REPLIES_SHARE:-0.45}" \
-    --quiet ${TRAIN_ARGS:-} >"$OUT/train.log" 2>&1
+    "${from[@]}" --quiet ${TRAIN_ARGS:-} >"$OUT/train.log" 2>&1
 stamp "train.pipeline rc=$?"
 tail -40 "$OUT/train.log"
 head_dir=$run/train/head

@@ -7,11 +7,15 @@ writes, under the ignored folder .carry/gpu_train/:
     p0/ p1/ ... pN/   the GGUF in pieces (each call carries one: the machine keeps what earlier calls left
                       while it stays warm, ~30 s between calls), the last piece with the gguf package (pure
                       Python), the prompts (first user turns of ShareGPT conversations, train and held-out
-                      split kept by id, gzipped JSON) and the pieces' SHA-256
+                      split kept by id, gzipped JSON), the pieces' SHA-256 and, with --replies, reply parts
+                      the target generated elsewhere (replies/<k>/: train.pipeline --replies-from)
     commands.txt      the device calls, in order: every call but the last only carries its piece; the last
                       runs benchmarks/gpu_train_run.sh (reassemble, check, build, train.pipeline --device cuda)
 
-    python benchmarks/gpu_train_stage.py [--train-prompts 40000]
+    python benchmarks/gpu_train_stage.py [--train-prompts 40000] [--replies runs/cpu_replies/replies ...]
+
+The reply parts let the CPU's spare sessions feed the GPU's training: `python -m train.pipeline --device cpu`
+on prompts the GPU runs do not reach (--skip-prompts; killed whenever, its whole parts kept) generates them.
 
 Then, with the device tool: one `run` per line of commands.txt, each naming its carry, back to back.
 """
@@ -62,6 +66,8 @@ def main() -> int:
     p.add_argument("--train-prompts", type=int, default=40000)
     p.add_argument("--heldout-prompts", type=int, default=400)
     p.add_argument("--out", type=Path, default=ROOT / ".carry" / "gpu_train")
+    p.add_argument("--replies", type=Path, nargs="*", default=[], metavar="DIR",
+                   help="reply directories (a train.pipeline run's <out>/replies) the GPU run trains on too")
     args = p.parse_args()
 
     from engine.loader import resolve_model
@@ -84,6 +90,13 @@ def main() -> int:
     meta.mkdir()
     (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: gguf\nVersion: {version}\n")
     (meta / "RECORD").write_text("")
+    for k, d in enumerate(args.replies):
+        parts = sorted(d.glob("part_*.safetensors"))
+        if not parts:
+            sys.exit(f"gpu_train_stage: --replies {d}: no reply parts (part_*.safetensors) there")
+        (extras / "replies" / str(k)).mkdir(parents=True)
+        for f in parts:
+            shutil.copy(f, extras / "replies" / str(k) / f.name)
     extra_bytes = sum(f.stat().st_size for f in extras.rglob("*") if f.is_file())
 
     room = LIMIT - tracked_bytes() - SLACK
@@ -108,9 +121,11 @@ def main() -> int:
     last = args.out / f"p{n - 1}"
     shutil.move(str(extras / "sharegpt_prompts.json.gz"), last / "sharegpt_prompts.json.gz")
     shutil.move(str(extras / "site"), last / "site")
+    if args.replies:
+        shutil.move(str(extras / "replies"), last / "replies")
     extras.rmdir()
     manifest = {"gguf": src.path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                "pieces": n, "prompts": prompts}
+                "pieces": n, "prompts": prompts, "replies": [str(d) for d in args.replies]}
     (last / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
 
     lines = [f"carry .carry/gpu_train/p{k}   command: ls -la .carry/gpu_train" for k in range(n - 1)]

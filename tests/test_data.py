@@ -190,3 +190,20 @@ def test_sharegpt_file_gzipped_gives_the_same_prompts(tmp_path):
     first = data.source_prompts("sharegpt", "train", 7, str(packed))
     assert data.source_prompts("sharegpt", "train", 4, str(packed), skip=3) == first[3:7]
     assert data.source_prompts("humaneval", "train", 2, skip=1) == data.source_prompts("humaneval", "train", 3)[1:]
+
+
+def test_replies_from_elsewhere_are_read_counted_and_checked(tmp_path):
+    """--replies-from: another run's parts join the training set with their counts; a directory without parts
+    and a token outside the target's vocabulary (another model's replies) are refused."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    data.write_part(data.part_path(a, 0), [([1, 2, 3, 4], 2), ([5, 6], 2)], [(0, 0), (0, 1)])  # 2nd: no reply
+    data.write_part(data.part_path(b, 3), [([7, 8, 9], 1)], [(3, 0)])
+    seqs, counts = data.read_extra_replies([str(a), str(b)], vocab=10)
+    assert seqs == [([1, 2, 3, 4], 2), ([7, 8, 9], 1)]
+    assert counts == {str(a): {"sequences": 1, "reply_tokens": 2}, str(b): {"sequences": 1, "reply_tokens": 2}}
+    assert data.reply_dirs_error([str(a), str(b)]) is None
+    assert data.reply_dirs_error([str(a), str(tmp_path / "none")]) == \
+        f"--replies-from {tmp_path / 'none'}: no reply parts (part_*.safetensors) there"
+    with pytest.raises(ValueError, match=r"token id 9 is outside the target's vocabulary \[0, 9\)"):
+        data.read_extra_replies([str(a), str(b)], vocab=9)

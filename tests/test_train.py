@@ -311,6 +311,19 @@ def test_pipeline_eagle1_and_the_comparison_plot(eagle3_run, smollm, tmp_path, c
     assert evaluate.main(["--compare", str(tmp_path / "none"), "--png", str(tmp_path / "x.png")]) == 2
 
 
+def test_pipeline_trains_on_replies_from_another_run(eagle3_run, smollm, tmp_path):
+    """--num-prompts 0 --replies-from: no replies of its own, training on the other run's (what a GPU session
+    does with replies the CPU generated in earlier sessions)."""
+    out = tmp_path / "from"
+    src = eagle3_run[0] / "replies"
+    e = pipeline.run(parser().parse_args(["--out", str(out), *PIPELINE, "--num-prompts", "0", "--replies-from",
+                                          str(src), "--steps", "2"]), llm=smollm)
+    assert not list((out / "replies").glob("part_*")) and e["train"]["steps"] == 2
+    assert e["replies"]["sequences"] == 0 and e["replies"]["from"] == {
+        str(src): {"sequences": 6, "reply_tokens": sum(len(s) - n for s, n in data.read_replies(src))}}
+    assert e["chain"]["same_as_vanilla"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "-1"], "--steps: must be >= 0"),
     (["--minutes", "0"], "--minutes: must be > 0"),
@@ -331,6 +344,7 @@ def test_pipeline_bad_flags_are_one_line_and_exit_2(argv, message, tmp_path, cap
 @pytest.mark.parametrize("argv, message", [
     (["--init", "no-such-head"], "--init no-such-head: no config.json there"),
     (["--rebuild-vocab"], "--rebuild-vocab moves a trained EAGLE-3 head"),
+    (["--replies-from", "no-such-dir"], "--replies-from no-such-dir: no reply parts (part_*.safetensors) there"),
 ])
 def test_pipeline_inconsistent_flags_fail_before_loading_anything(argv, message, tmp_path, capsys):
     assert pipeline.main(["--out", str(tmp_path / "run"), "--device", "cpu", *argv]) == 2

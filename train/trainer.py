@@ -25,7 +25,7 @@ import torch
 
 from engine.heads import DraftHead, load_head, new_head
 from . import distributed
-from .data import Packer, Seq, build_draft_vocab, reply_counts
+from .data import Packer, Seq, build_draft_vocab, reply_counts, reply_dirs_error
 from .features import TargetFeatures, TargetView
 from .ttt import eagle1_loss, eagle3_loss, scored_counts
 
@@ -39,6 +39,9 @@ def check_args(args):
                          "a fresh head builds its vocabulary from the replies anyway")
     if args.init and not (Path(args.init) / "config.json").exists():
         raise ValueError(f"--init {args.init}: no config.json there (expected an exported head directory)")
+    err = reply_dirs_error(getattr(args, "replies_from", []))
+    if err:
+        raise ValueError(err)
     if args.rows < distributed.world():
         raise ValueError(f"--rows {args.rows} cannot be split across {distributed.world()} ranks: a batch needs "
                          f"at least a row per rank")
