@@ -44,7 +44,15 @@ batch 1), and stops paying once the batch alone fills the device: then d* = 0.
   bucket's time. A probe's cost includes catching the draft up on the rounds that drafted nothing (an EAGLE
   head feeds every token since it last ran: after a long stretch at depth 0, more than the probe itself): the
   pairs the batch's draft is behind by, which the caller counts (a new request's prompt is no catch-up),
-  times the seconds a pair last took. Close means within SLACK, a margin that widens by SLACK every AGING rounds the depth goes
+  times the seconds a pair last took.
+- A prompt the draft has not read yet (an EAGLE head feeds a request's prompt in its first drafting round:
+  ~0.1 ms a token on the CPU, 0.3 s for a 3000-token prompt) is drafting's one-off cost for that request: a
+  depth's round time is charged its share, the feed spread over the rounds the rest of the reply takes at that
+  depth (at most HORIZON tokens of it), and a re-probe is due only if the budget also covers the feed. For a
+  long prompt and a short reply the feed costs more than drafting can gain (measured: 0.83-0.92x vanilla on
+  1300-2900-token prompts before), and the request decodes plainly without ever feeding it. The seconds a
+  prompt pair takes are measured from the feeds that happened (a running mean; not from a round whose time
+  is no sample: a first use, with the head's weights gathered, took 10x). Close means within SLACK, a margin that widens by SLACK every AGING rounds the depth goes
   unplayed, since its estimates age: a burst of contention that made a depth look slow, or prompts that
   got easier to draft, is re-checked sooner or later, and nothing the measurements predict to be clearly
   worse is ever tried early, nor more than the budget allows.
@@ -65,6 +73,7 @@ PROBE_SHARE = 0.01  # of a bucket's round time, the most its re-probes may take
 REUSE = 8           # rounds a plain decision (the best depth, settled, no probe due) holds at the same batch size
 MARGIN = 0.1        # drafting's value is discounted by this much against plain decoding to start drafting ...
 STAY_MARGIN = 0.02  # ... and by this much to go on (the bucket's best depth was a drafting one)
+HORIZON = 256       # reply tokens a prompt's feed is spread over at most (replies often end well before their cap)
 
 
 def bucket(batch: int) -> int:
@@ -90,6 +99,7 @@ class SpeculationPolicy:
         self.probed: dict[int, float] = {}                # bucket -> seconds of its re-probes
         self.settled: dict[int, int] = {}                 # bucket -> the best depth of its last decision
         self.catch_up = 0.0                               # seconds of draft catch-up per pair behind
+        self.feed_rate = 0.0                              # seconds per prompt pair fed (0: none measured yet)
         self.rounds = 0
         self.held: tuple[int, int, int] | None = None     # (batch, depth, round) of the last plain decision
 
@@ -101,12 +111,13 @@ class SpeculationPolicy:
             total += r
         return total
 
-    def choose(self, batch: int, behind: int = 0, fresh: int = 0) -> int:
+    def choose(self, batch: int, behind: int = 0, fresh: int = 0, unfed: int = 0, remaining: float = HORIZON) -> int:
         """The depth to draft this round for a batch of `batch` sequences, whose draft is `behind` pairs behind
         (what a drafting round would first catch up on), `fresh` of them in their first decoding round (new
-        requests). Weighing every depth costs ~30 us of Python, ~1% of a CPU decode step: a plain decision
-        (the best depth, its SAMPLES window full, no probe due) holds for REUSE rounds at the same batch size
-        (a probe falling due waits at most that long)."""
+        requests), with `unfed` prompt pairs the draft has not read yet and `remaining` reply tokens a sequence
+        may still produce (their mean). Weighing every depth costs ~30 us of Python, ~1% of a CPU decode step:
+        a plain decision (the best depth, its SAMPLES window full, no probe due) holds for REUSE rounds at the
+        same batch size (a probe falling due waits at most that long)."""
         if fresh:
             self.welcome(min(fresh, batch) / batch)
         held = self.held
@@ -117,9 +128,13 @@ class SpeculationPolicy:
         if len(self.samples.get((k, 0), ())) < SAMPLES and not any((k, d) in self.samples for d in depths[1:]):
             return 0  # a new bucket starts with the cheapest round, the baseline every depth is compared with
         seconds = [self.seconds(batch, d) for d in depths]
+        feed = unfed * self.feed_rate  # drafting's one-off cost: the prompts' pairs, spread over the reply's rounds
+        horizon = max(1.0, min(float(remaining), HORIZON))
+        charged = [t if t is None or not d else t + feed * self.expected_tokens(d) / horizon
+                   for d, t in zip(depths, seconds)]
         margin = STAY_MARGIN if self.settled.get(k, 0) else MARGIN  # probes do not change it
         value = [float("inf") if t is None else batch * self.expected_tokens(d) / max(t, 1e-9) / (1 + margin * (d > 0))
-                 for d, t in zip(depths, seconds)]
+                 for d, t in zip(depths, charged)]
         best = max((d for d in depths if (k, d) in self.samples), key=lambda d: value[d])
         self.settled[k] = best
         rounds, tried, floor = self.rounds, self.tried, (1 - SLACK) * value[best]
@@ -133,7 +148,7 @@ class SpeculationPolicy:
         if new:
             return min(new)
         budget = PROBE_SHARE * self.spent.get(k, 0.0) - self.probed.get(k, 0.0)
-        due = [d for d in close if seconds[d] + self.catch_up * behind <= budget]  # a probe catches up first
+        due = [d for d in close if seconds[d] + self.catch_up * behind + feed <= budget]  # it catches up first
         if not due:
             self.held = (batch, best, rounds) if settled else None
             return best
@@ -179,14 +194,18 @@ class SpeculationPolicy:
         return max(0.0, my + slope * (rows - mx))
 
     def observe(self, batch: int, d: int, seconds: float | None, accepted: list[int], backlog: float = 0.0,
-                behind: int = 0):
+                behind: int = 0, fed: tuple[float, int] = (0.0, 0)):
         """A finished round: its depth, wall time (None: not representative; without `backlog`), the accepted
-        draft lengths of the sequences that could have reached depth d, and the seconds it spent catching the
-        draft up on the `behind` pairs rounds that drafted nothing left (charged to the re-probe budget)."""
+        draft lengths of the sequences that could have reached depth d, the seconds it spent catching the
+        draft up on the `behind` pairs rounds that drafted nothing left (charged to the re-probe budget), and
+        `fed`: the seconds it spent feeding the draft prompt pairs, and how many."""
         k = bucket(batch)
         self.probed[k] = self.probed.get(k, 0.0) + backlog
         if d and backlog and behind:
             self.catch_up = backlog / behind
+        if d and seconds is not None and fed[0] > 0 and fed[1] > 0:  # not from a first-use round: 10x slower
+            rate = fed[0] / fed[1]
+            self.feed_rate = rate if not self.feed_rate else 0.5 * (self.feed_rate + rate)
         self.tried[k, d], self.rounds = self.rounds, self.rounds + 1
         if seconds is not None:
             self.samples.setdefault((k, d), deque(maxlen=SAMPLES)).append((batch, seconds))

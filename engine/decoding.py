@@ -262,6 +262,11 @@ class SpeculativeDecoder(Decoder):
         it keeps up every round."""
         return 0
 
+    def unfed(self, seqs: list[Sequence]) -> int:
+        """Prompt pairs a drafting round would feed the draft first (a request's first drafting round): none
+        for a draft that reads no prompt."""
+        return 0
+
     def verify(self, seqs: list[Sequence], tree: Tree, draft_probs=None) -> torch.Tensor:
         """Run the target once over every tree (root + drafts), accept the longest lossless path and move
         its KV (and what `store` keeps) to consecutive positions. Device only. -> summary int64 [B, 2N + 2]

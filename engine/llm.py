@@ -187,9 +187,12 @@ class LLM:
         mixing = False
         if batch:
             self.scheduler.prepare(batch)
-            behind = self.decoder.behind(batch) if self.policy else 0
-            fresh = sum(len(s.output_ids) == 1 for s in batch) if self.policy else 0  # their first round
-            planned = self.policy.choose(len(batch), behind, fresh) if self.policy else self.decoder.max_depth
+            planned, facts = self.decoder.max_depth, None
+            if self.policy:
+                facts = (self.decoder.behind(batch), sum(len(s.output_ids) == 1 for s in batch),  # their first round
+                         self.decoder.unfed(batch),
+                         sum(s.params.max_new_tokens - len(s.output_ids) for s in batch) / len(batch))
+                planned = self.policy.choose(len(batch), *facts)
             mixing = not planned and self.decoder.mixes and not self.runner.cuda_graphs
             chunk = self._chunk(stats, self.pacer.round_s, len(batch)) if mixing else None
             if chunk and not self.pacer.mix():
@@ -205,7 +208,7 @@ class LLM:
                 # first-use allocations and the head's fused weights on a CPU (~1.5x a steady round, enough
                 # to rule a depth out); nor is one that carried a prefill chunk.
                 sample = None if chunk or len(self.decoder.graphs) > built else seconds
-                self._observe(batch, planned, verdict, sample, behind)
+                self._observe(batch, planned, verdict, sample, facts[0], facts[2])
             stats.decode_s += done.decode_s
             stats.prefill_s += seconds - done.decode_s
             stats.steps += 1
@@ -269,15 +272,16 @@ class LLM:
                 on_tokens(seq, kept)
         return lengths
 
-    def _observe(self, batch: list[Sequence], planned: int, verdict, seconds: float | None, behind: int):
+    def _observe(self, batch: list[Sequence], planned: int, verdict, seconds: float | None, behind: int,
+                 unfed: int):
         """The policy learns from a round as the depth it chose (confidence cuts included: its time and
         tokens are what choosing it yields), over the sequences that could reach it; feeding the draft what
-        earlier rounds left is not this round's cost."""
+        earlier rounds left is not this round's cost. A drafting round fed the `unfed` prompt pairs first."""
         caps = depth_caps(batch, self.cfg.max_position)
         planned = round_depth(planned, caps)
         accepted = [n for n, cap in zip(verdict.lengths, caps) if cap >= planned]
         self.policy.observe(len(batch), planned, None if seconds is None else seconds - verdict.backlog_s,
-                            accepted, verdict.catch_up_s, behind)
+                            accepted, verdict.catch_up_s, behind, (verdict.backlog_s - verdict.catch_up_s, unfed))
 
     def borrow(self, n: int = 1) -> "Borrowed":
         """n empty sequences in the target's cache beside the requests, for work outside decoding: `with

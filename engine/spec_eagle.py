@@ -403,5 +403,9 @@ class EagleDecoder(SpeculativeDecoder):
         return sum(max(0, cached_len(s) - self.max_tree - max(s.draft_state.fed, len(s.prompt_ids) - 1))
                    for s in seqs if s.draft_state is not None)
 
+    def unfed(self, seqs: list[Sequence]) -> int:
+        """The prompt pairs (t < P - 1 of a P-token prompt) the head has not read yet."""
+        return sum(max(0, len(s.prompt_ids) - 1 - s.draft_state.fed) for s in seqs if s.draft_state is not None)
+
     def catch_up(self, seqs: list[Sequence], v: Verdict):
         """The accepted rows are in `features` already (verify moved them); the next draft feeds them."""

@@ -144,6 +144,40 @@ def test_a_new_request_is_not_judged_by_the_last_one():
     assert with_fresh[3] >= 0.9 and with_fresh[3] > without[3] + 0.05, (with_fresh, without)
 
 
+def test_a_long_prompt_is_not_fed_for_a_short_reply():
+    """Requests one at a time, 128 tokens each, alternating short prompts (50 pairs) and long ones (3000): the
+    draft's first round feeds the prompt (0.1 ms a pair). Drafting gains ~27% a round here, less than a long
+    prompt's feed over a 128-token reply: with the feed charged (`unfed`), a long request decodes plainly and
+    never feeds (its time is plain decoding's), a short one drafts as before. Without it, both draft and
+    every long request ends slower than plain decoding."""
+    seconds = lambda batch, d: (0.0070, 0.0085, 0.0100)[d]
+    accept, rate, reply = [0.6, 0.35], 1e-4, 128
+
+    def run(charged: bool, seed: int) -> tuple[list[float], list[float]]:
+        policy, rng = SpeculationPolicy(CPU_TREE), random.Random(seed)
+        short, long = [], []
+        for r in range(12):
+            unfed = 3000 if r % 2 else 50
+            t, drafted, made = 0.0, 0, 0
+            while made < reply:
+                d = policy.choose(1, 0, int(made == 0), unfed if charged else 0, reply - made)
+                feed = unfed * rate if d else 0.0
+                n = sum(rng.random() < a for a in accept[:d])
+                policy.observe(1, d, seconds(1, d), [n], feed, 0, (feed, unfed if d else 0))
+                t, made, drafted = t + seconds(1, d) + feed, made + n + 1, drafted + (d > 0)
+                unfed = 0 if d else unfed
+            (long if r % 2 else short).append((t, drafted))
+        return short[1:], long  # the first request measures the feed
+
+    plain = reply * seconds(1, 0)
+    for seed in range(4):
+        short, long = run(True, seed)
+        assert all(drafted == 0 and t == pytest.approx(plain) for t, drafted in long), long
+        assert all(t < 0.85 * plain for t, _ in short), short
+        short, long = run(False, seed)
+        assert all(t > plain for t, _ in long) and all(t < 0.85 * plain for t, _ in short), (short, long)
+
+
 def test_a_slow_first_round_does_not_lock_a_depth_out():
     policy = SpeculationPolicy(CPU_TREE)
     chosen = simulate(policy, 1, 100, CPU, [0.6, 0.3], random.Random(3), slow=2)
@@ -225,11 +259,11 @@ class Cycle:
     def __init__(self, depths):
         self.depths, self.i = depths, 0
 
-    def choose(self, batch, behind=0, fresh=0):
+    def choose(self, batch, *facts):
         self.i += 1
         return self.depths[(self.i - 1) % len(self.depths)]
 
-    def observe(self, batch, d, seconds, accepted, backlog=0.0, behind=0):
+    def observe(self, batch, d, seconds, accepted, backlog=0.0, behind=0, fed=(0.0, 0)):
         assert seconds is None or seconds > 0
 
 

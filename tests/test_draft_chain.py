@@ -47,7 +47,7 @@ def drafting(llm, args, fused: bool, monkeypatch):
         decoder.head.chain_weights = lambda: None
     if llm.policy is not None:  # the policy decides, a schedule visiting every depth (0 included) picks
         choose, schedule = llm.policy.choose, itertools.cycle([0, 3, 1, 0, 2])
-        llm.policy.choose = lambda batch, behind=0, fresh=0: (choose(batch, behind, fresh), next(schedule))[1]
+        llm.policy.choose = lambda batch, *facts: (choose(batch, *facts), next(schedule))[1]
     step, draft, kernel = decoder.step, decoder.draft, eagle_kernels.draft_chain
 
     def stepped(seqs, depth=0, chunk=None):  # a round without drafts is recorded as None

@@ -75,7 +75,7 @@ def forbid_host_reads(decoder):
 def force_depths(policy):
     """The policy still decides but the schedule picks the depth."""
     choose, schedule = policy.choose, itertools.cycle(DEPTHS)
-    policy.choose = lambda batch, behind=0, fresh=0: (choose(batch, behind, fresh), next(schedule))[1]
+    policy.choose = lambda batch, *facts: (choose(batch, *facts), next(schedule))[1]
 
 
 def run(llm, prompts, method, args, greedy=True, new=NEW):
@@ -185,11 +185,12 @@ def test_kv_budget_holds_the_draft_state_too(tmp_path):
 def test_the_policy_is_charged_the_catch_up_not_the_prompt_feed(llm, depth, topk):
     """A request's first drafting round feeds its prompt's pairs: time kept out of the round's sample, but no
     catch-up (a prompt is fed once whatever the policy plays; charged as one, a new request's prompt made the
-    policy's re-probes look too dear to ever run again). The pairs rounds without drafts left are catch-up."""
+    policy's re-probes look too dear to ever run again); the policy learns the seconds a prompt pair takes
+    from it (`fed`). The pairs rounds without drafts left are catch-up."""
     llm.set_method("eagle3", {"head": "random", "depth": depth, "topk": topk, "tree_tokens": depth * topk + 1,
                               "adaptive": True})
     schedule, told = iter([depth] + [0] * 6 + [depth] * NEW_LONG), []
-    llm.policy.choose = lambda batch, behind=0, fresh=0: (told.append(behind), next(schedule))[1]
+    llm.policy.choose = lambda batch, behind=0, *facts: (told.append(behind), next(schedule))[1]
     rounds, step, observe = [], llm.decoder.step, llm.policy.observe
 
     def spy_step(*args, **kwargs):
@@ -198,7 +199,8 @@ def test_the_policy_is_charged_the_catch_up_not_the_prompt_feed(llm, depth, topk
         return v
     charged = []
     llm.decoder.step = spy_step
-    llm.policy.observe = lambda *a: (charged.append(a[-2]), observe(*a))
+    llm.policy.observe = lambda *a: (charged.append(a[4]), fed.append(a[6]), observe(*a))
+    fed = []
     prompt = list(range(1, 40))
     llm.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))
     (d1, backlog1, catch1), plain, (d8, backlog8, catch8) = rounds[0], rounds[1:7], rounds[7]
@@ -208,6 +210,14 @@ def test_the_policy_is_charged_the_catch_up_not_the_prompt_feed(llm, depth, topk
     # what the policy is told the draft is behind by: nothing for the prompt, at most a pair a round without
     # drafts (a round feeds the newest few itself), and the catch-up's seconds a pair are learnt from it
     assert told[0] == 0 and 0 < told[7] <= 6 and llm.policy.catch_up == catch8 / told[7]
+    # the prompt's pairs (all unread before the first round) and their seconds: the feed's cost a pair, learnt
+    # from the next request's (the first round of a new decoder builds its steps: no sample)
+    assert fed[0] == (backlog1, len(prompt) - 1) and all(n == 0 for _, n in fed[1:]) and not llm.policy.feed_rate
+    n1, second = len(rounds), list(range(2, 30))
+    llm.generate([second], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    backlog = rounds[n1][1]
+    assert rounds[n1][0] == depth and fed[n1] == (backlog, len(second) - 1) > (0, 0)
+    assert llm.policy.feed_rate == backlog / (len(second) - 1)
 
 
 # min_prob reads the draft's scores on the host (the CPU's default, not the GPU's), so these run unguarded. Each
