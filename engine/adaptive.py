@@ -38,9 +38,12 @@ batch 1), and stops paying once the batch alone fills the device: then d* = 0.
   fixed chain made 1.08-1.11x).
 - Exploring: a new bucket first plays depth 0 for SAMPLES rounds (the baseline every depth is weighed
   against, measured over a window: a single cold first round must not make drafting look better than it
-  is). Then the best measured depth is played, except that a depth
-  whose value is close to the best (or cannot be predicted yet) is tried once if it is unmeasured in this
-  bucket, and re-probed (the stalest first) while re-probes have taken less than PROBE_SHARE of the
+  is). Then the best measured depth is played, except that a depth whose value is close to the best (or
+  cannot be predicted yet) is played until it has MIN_SAMPLES timed rounds in this bucket, as is one within
+  NOISE of the best: one round's time varies by +-20% on a shared CPU, and the best depth's estimate is the
+  fastest of a full window, so a single slow early round of a depth (it came out 1.2x its steady time and
+  kept speculation off for two requests, measured) must not rule it out. Settled depths are
+  re-probed (the stalest first) while re-probes have taken less than PROBE_SHARE of the
   bucket's time. A probe's cost includes catching the draft up on the rounds that drafted nothing (an EAGLE
   head feeds every token since it last ran: after a long stretch at depth 0, more than the probe itself): the
   pairs the batch's draft is behind by, which the caller counts (a new request's prompt is no catch-up),
@@ -73,6 +76,8 @@ PROBE_SHARE = 0.01  # of a bucket's round time, the most its re-probes may take
 REUSE = 8           # rounds a plain decision (the best depth, settled, no probe due) holds at the same batch size
 MARGIN = 0.1        # drafting's value is discounted by this much against plain decoding to start drafting ...
 STAY_MARGIN = 0.02  # ... and by this much to go on (the bucket's best depth was a drafting one)
+MIN_SAMPLES = 3     # timed rounds a depth is played before its estimate alone may rule it out ...
+NOISE = 0.3         # ... while it is within this share of the best (one round's time: +-20% on a shared CPU)
 HORIZON = 256       # reply tokens a prompt's feed is spread over at most (replies often end well before their cap)
 
 
@@ -140,13 +145,15 @@ class SpeculationPolicy:
         rounds, tried, floor = self.rounds, self.tried, (1 - SLACK) * value[best]
         close = [d for d in depths if d != best and
                  value[d] >= floor - SLACK * (rounds - tried.get((k, d), rounds)) / AGING * value[best]]
+        timed = {d: len(self.samples.get((k, d), ())) for d in depths}
+        young = [d for d in depths if d != best and timed[d] < MIN_SAMPLES
+                 and (value[d] >= (1 - NOISE) * value[best] or not timed[d] and d in close)]
+        if young:  # judged on too few rounds (or none) to rule it out
+            return min(young)
         settled = len(self.samples[k, best]) == SAMPLES  # one volatile sample decides nothing for long
         if not close:
             self.held = (batch, best, rounds) if settled else None
             return best
-        new = [d for d in close if (k, d) not in self.samples]
-        if new:
-            return min(new)
         budget = PROBE_SHARE * self.spent.get(k, 0.0) - self.probed.get(k, 0.0)
         due = [d for d in close if seconds[d] + self.catch_up * behind + feed <= budget]  # it catches up first
         if not due:
