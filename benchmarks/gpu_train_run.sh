@@ -7,7 +7,8 @@
 # eval.json and the logs' tails.
 #
 #   bash benchmarks/gpu_train_run.sh      # env: TRAIN_MIN (default 5), DEVICE (cuda), SKIP_BUILD=1,
-#                                         # SKIP_PROMPTS (default 0), REPLIES_SHARE (default 0.45),
+#                                         # SOURCE (sharegpt: first turns; sharegpt-turns: later turns),
+#                                         # SKIP_PROMPTS (default 0: of SOURCE's), REPLIES_SHARE (default 0.45),
 #                                         # TRAIN_ARGS (more train.pipeline flags, e.g. --num-prompts 0)
 #
 # Reply parts staged with gpu_train_stage.py --replies (the CPU's, from earlier sessions) are trained on
@@ -69,7 +70,7 @@ stamp "replies from elsewhere: $(( ${#from[@]} / 2 )) directories"
 minutes=${TRAIN_MIN:-5}
 timeout "$($PY -c "print(int(float('$minutes') * 60) + 150)")" $PY -m train.pipeline --out "$run" --device "${DEVICE:-cuda}" \
     --model "$target" --sharegpt "$last/sharegpt_prompts.json.gz" --init engine/heads/smollm2-135m-eagle3 --draft-vocab 8192 \
-    --minutes "$minutes" --skip-prompts "${SKIP_PROMPTS:-0}" --replies-share "${REPLIES_SHARE:-0.45}" \
+    --source "${SOURCE:-sharegpt}" --minutes "$minutes" --skip-prompts "${SKIP_PROMPTS:-0}" --replies-share "${REPLIES_SHARE:-0.45}" \
     "${from[@]}" --quiet ${TRAIN_ARGS:-} >"$OUT/train.log" 2>&1
 stamp "train.pipeline rc=$?"
 tail -40 "$OUT/train.log"

@@ -6,8 +6,9 @@ writes, under the ignored folder .carry/gpu_train/:
 
     p0/ p1/ ... pN/   the GGUF in pieces (each call carries one: the machine keeps what earlier calls left
                       while it stays warm, ~30 s between calls), the last piece with the gguf package (pure
-                      Python), the prompts (first user turns of ShareGPT conversations, train and held-out
-                      split kept by id, gzipped JSON), the pieces' SHA-256 and, with --replies, reply parts
+                      Python), the prompts (ShareGPT conversations, train and held-out split kept by id,
+                      gzipped JSON: train.pipeline's `sharegpt` and `sharegpt-turns` sources read them),
+                      the pieces' SHA-256 and, with --replies, reply parts
                       the target generated elsewhere (replies/<k>/: train.pipeline --replies-from)
     commands.txt      the device calls, in order: every call but the last only carries its piece; the last
                       runs benchmarks/gpu_train_run.sh (reassemble, check, build, train.pipeline --device cuda)
@@ -45,15 +46,21 @@ def tracked_bytes() -> int:
     return sum((ROOT / f).stat().st_size for f in files.decode().split("\0") if f and (ROOT / f).is_file())
 
 
-def write_prompts(path: Path, train: int, heldout: int) -> dict:
-    """First user turns of `train` + `heldout` conversations (ids kept, so the split is the package's)."""
-    from train.data import sharegpt_conversations
+def write_prompts(path: Path, train: int, heldout: int, source: str | None = None) -> dict:
+    """`train` + `heldout` conversations (ids kept, so the split is the package's; source: a ShareGPT file
+    instead of the package's): a train conversation up to its last turn the `sharegpt-turns` source keeps
+    (its first user turn alone if none), a held-out one's first user turn. Either source reads this file as
+    it reads the package, prompt for prompt."""
+    from train.data import later_turns, sharegpt_conversations
     convs, counts = [], {}
     for split, n in (("train", train), ("heldout", heldout)):
-        for i, (cid, msgs) in enumerate(sharegpt_conversations(split)):
+        for i, (cid, msgs) in enumerate(sharegpt_conversations(split, source)):
             if i == n:
                 break
-            convs.append({"id": cid, "conversations": [{"from": "human", "value": msgs[0]["content"]}]})
+            turns = later_turns(msgs) if split == "train" else []
+            kept = turns[-1] if turns else msgs[:1]
+            convs.append({"id": cid, "conversations": [{"from": "human" if m["role"] == "user" else "gpt",
+                                                        "value": m["content"]} for m in kept]})
         counts[split] = len(convs) - sum(counts.values())
     with gzip.open(path, "wt", compresslevel=9) as f:
         json.dump(convs, f)

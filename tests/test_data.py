@@ -192,6 +192,39 @@ def test_sharegpt_file_gzipped_gives_the_same_prompts(tmp_path):
     assert data.source_prompts("humaneval", "train", 2, skip=1) == data.source_prompts("humaneval", "train", 3)[1:]
 
 
+def test_later_turns_are_prompts_with_their_context_and_a_staged_copy_reads_alike(tmp_path):
+    """--source sharegpt-turns: each user turn after the first, with the conversation before it (messages for
+    the chat template), while that context is at most TURN_CHARS characters; the copy
+    benchmarks/gpu_train_stage.py packs (each train conversation cut after its last such turn) gives both
+    ShareGPT sources' prompts, in order, as the full file does (--skip-prompts numbers them alike)."""
+    import importlib.util
+    convs = [conv(i, turns=1 + i % 6) for i in range(300)]  # 1-3 user turns
+    long = next(c for c in convs if len(c["conversations"]) >= 5 and not data.is_heldout(c["id"]))
+    long["conversations"][1]["value"] = "x" * data.TURN_CHARS  # its context too long from its second user turn
+    full = tmp_path / "full.json"
+    full.write_text(json.dumps(convs))
+    turns = data.source_prompts("sharegpt-turns", "train", 10**6, str(full))
+    train = [c for c in convs if not data.is_heldout(c["id"])]
+    want = [msgs[:k + 1] for c in train for msgs in [data.clean_turns(c["conversations"])]
+            for k in range(2, len(msgs), 2) if c is not long]
+    assert turns == want and len(turns) > 100
+    assert all(t[-1]["role"] == "user" and len(t) % 2 == 1 for t in turns)
+    assert data.source_prompts("sharegpt-turns", "train", 4, str(full), skip=3) == turns[3:7]
+    with pytest.raises(ValueError, match="unknown prompt source"):
+        data.source_prompts("sharegpt-lastturns", "train", 1, str(full))
+
+    spec = importlib.util.spec_from_file_location("gpu_train_stage", "benchmarks/gpu_train_stage.py")
+    stage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stage)
+    staged = tmp_path / "staged.json.gz"
+    counts = stage.write_prompts(staged, 10**6, 10**6, str(full))
+    assert counts["train"] == len(train) and counts["heldout"] == len(convs) - len(train)
+    for source, split in (("sharegpt", "train"), ("sharegpt", "heldout"), ("sharegpt-turns", "train")):
+        assert (data.source_prompts(source, split, 10**6, str(staged)) ==
+                data.source_prompts(source, split, 10**6, str(full))), (source, split)
+    assert staged.stat().st_size < full.stat().st_size  # the cut-off tails are not carried
+
+
 def test_replies_from_elsewhere_are_read_counted_and_checked(tmp_path):
     """--replies-from: another run's parts join the training set with their counts; a directory without parts
     and a token outside the target's vocabulary (another model's replies) are refused."""

@@ -324,6 +324,19 @@ def test_pipeline_trains_on_replies_from_another_run(eagle3_run, smollm, tmp_pat
     assert e["chain"]["same_as_vanilla"]
 
 
+def test_pipeline_answers_later_turns_in_their_conversation(smollm, tmp_path):
+    """--source sharegpt-turns: the target answers later user turns with the conversation before each in its
+    prompt (the chat template over the messages), as stored replies say."""
+    out = tmp_path / "turns"
+    e = pipeline.run(parser().parse_args(["--out", str(out), *PIPELINE, "--source", "sharegpt-turns",
+                                          "--num-prompts", "2", "--max-prompt", "1024", "--steps", "1"]), llm=smollm)
+    turns = data.source_prompts("sharegpt-turns", "train", 2)
+    want = [ids for ids in map(smollm.chat_ids, turns) if len(ids) <= 1024]
+    assert want and all(len(t) >= 3 for t in turns)
+    assert [s[:n] for s, n in data.read_replies(out / "replies")] == [ids for ids in want for _ in range(2)]
+    assert e["replies"]["prompts"] == 2 and e["train"]["steps"] == 1
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "-1"], "--steps: must be >= 0"),
     (["--minutes", "0"], "--minutes: must be > 0"),

