@@ -129,8 +129,12 @@ def main():
     fits = lambda ids: len(ids) <= args.max_prompt_tokens
     datasets = {"ShareGPT held-out": [p for p in map(llm.chat_ids, heldout_prompts(4 * args.prompts)) if fits(p)],
                 "HumanEval": [p for p in map(llm.chat_ids, humaneval_prompts(4 * args.prompts)) if fits(p)]}
-    configs = [c for c in method_configs(args, llm.cfg)
-               if c[0] == "vanilla" or not args.methods or c[0].split()[0] in args.methods]
+    every = method_configs(args, llm.cfg)
+    unknown = sorted(set(args.methods or ()) - {c[0].split()[0] for c in every})
+    if unknown:  # e.g. auto, which e2e_cpu_peers.py compares (its policy learns across prompts, in a process of its own)
+        sys.exit(f"error: --methods {' '.join(unknown)}: not compared here (choose from "
+                 f"{' '.join(sorted({c[0].split()[0] for c in every}))})")
+    configs = [c for c in every if c[0] == "vanilla" or not args.methods or c[0].split()[0] in args.methods]
     print(f"model={args.model} device={device} dtype={args.dtype} threads={args.threads} batch={args.batch} "
           f"max_tokens={args.max_tokens} greedy")
     decoders = {label: decoder(llm, method, margs) for label, method, margs in configs}
