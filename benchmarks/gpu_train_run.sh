@@ -4,7 +4,8 @@
 # C++ error messages raise, tests/test_bad_args_subprocess.py), then train.pipeline on the GPU, starting from
 # the shipped head, on ShareGPT prompts the target answers itself. What comes back under $OUT: the exported head
 # (model.safetensors in pieces under 16 MiB: `cat head.safetensors.* > model.safetensors`), its config.json,
-# eval.json and the logs' tails.
+# eval.json, the logs (logs.tar.gz) and the run's replies (`cat replies.tar.gz.* | tar xz`: a replies/ folder
+# of whole parts, for gpu_train_stage.py --replies in later sessions).
 #
 #   bash benchmarks/gpu_train_run.sh      # env: TRAIN_MIN (default 5), DEVICE (cuda), SKIP_BUILD=1,
 #                                         # SOURCE (sharegpt: first turns; sharegpt-turns: later turns),
@@ -80,4 +81,30 @@ if [ -f "$head_dir/model.safetensors" ]; then
     cp "$head_dir/config.json" "$OUT/"
 fi
 [ -f "$run/eval.json" ] && cp "$run/eval.json" "$OUT/" && cat "$run/eval.json" | head -60
+logs=$(cd "$OUT" && ls build.log bad_args.log train.log 2>/dev/null)  # one file: a call returns at most 8
+[ -n "$logs" ] && tar -C "$OUT" -czf "$OUT/logs.tar.gz" $logs && (cd "$OUT" && rm -f $logs)
+# The run's own replies come back too (replies.tar.gz.NN: `cat replies.tar.gz.* | tar xz` gives replies/),
+# so that later GPU sessions train on every earlier session's data (gpu_train_stage.py --replies), not only
+# on their own: as many whole parts as fit beside the rest in what a call returns (8 files, 64 MiB in all).
+$PY - "$run/replies" "$OUT" <<'EOF'
+import io, sys, tarfile
+from pathlib import Path
+src, out = Path(sys.argv[1]), Path(sys.argv[2])
+every = sorted(src.glob("part_*.safetensors"))
+files = list(out.iterdir())
+room = min((62 << 20) - sum(f.stat().st_size for f in files), (8 - len(files)) * (15 << 20))
+parts, data = every, b""
+while parts and room > 0:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+        for f in parts:
+            t.add(f, arcname=f"replies/{f.name}")
+    if buf.tell() <= room:
+        data = buf.getvalue()
+        break
+    parts = parts[:int(len(parts) * room / buf.tell() * 0.95)]
+for k in range(0, len(data), 15 << 20):
+    (out / f"replies.tar.gz.{k // (15 << 20):02d}").write_bytes(data[k:k + (15 << 20)])
+print(f"replies back: {len(parts) if data else 0} of {len(every)} parts, {len(data)} bytes")
+EOF
 stamp "done"

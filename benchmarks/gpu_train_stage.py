@@ -17,6 +17,8 @@ writes, under the ignored folder .carry/gpu_train/:
 
 The reply parts let the CPU's spare sessions feed the GPU's training: `python -m train.pipeline --device cpu`
 on prompts the GPU runs do not reach (--skip-prompts; killed whenever, its whole parts kept) generates them.
+And earlier GPU sessions' own: gpu_train_run.sh returns its run's parts (replies.tar.gz.NN; unpack them with
+`cat replies.tar.gz.* | tar xz -C runs/gpu_replies/sNN`), so each GPU session trains on all the data so far.
 
 Then, with the device tool: one `run` per line of commands.txt, each naming its carry, back to back.
 """
