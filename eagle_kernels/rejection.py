@@ -9,7 +9,8 @@ from typing import NamedTuple
 
 import torch
 
-from ._ops import check_tensor, check_tree, check_tree_values, gpu_path, ops
+from ._ops import check_tensor, check_tree, check_tree_values, gpu_path, has_kernel, ops
+from .sampling import argmax
 
 try:
     import triton
@@ -38,6 +39,32 @@ def tree_accept_greedy(parents, tokens, sizes, target_argmax) -> AcceptResult:
         return _greedy_triton(parents, tokens, sizes, target_argmax)
     check_tree_values(parents, sizes)
     return AcceptResult(*ops().tree_accept_greedy(parents, tokens, sizes, target_argmax))
+
+
+def verdict_summary(tokens, path, length, next_token) -> torch.Tensor:
+    """What a verify round's host reads, int64 [B, 2N + 2]: accepted length, next token, the accepted path
+    (node ids from the root, -1 padded) and the tokens on it (a padded entry repeats the root's). tokens int64
+    [B, N]; path int32 / int64 [B, N]; length int32 [B]; next_token int64 [B]."""
+    on_path = tokens.gather(1, path.clamp(min=0).long())
+    return torch.cat([length[:, None].long(), next_token[:, None], path.long(), on_path], 1)
+
+
+_GREEDY_VERDICT_CPU = has_kernel("greedy_verdict", torch.device("cpu"))
+
+
+def greedy_verdict(parents, tokens, sizes, logits) -> torch.Tensor:
+    """Greedy verification straight from the target's logits fp32 [B, N, V] (its distribution at each node),
+    in the form the host reads (verdict_summary's). CPU tensors take one C++ op, which also checks the
+    arguments and takes the argmax of the nodes the descent visits only: after a forward that streamed the
+    weights the host's caches are cold, and each torch op of argmax + tree_accept_greedy + verdict_summary
+    (the reference, and the path everywhere else: the same values) cost ~30-50 us there."""
+    if _GREEDY_VERDICT_CPU and parents.device.type == "cpu" and not gpu_path(parents):
+        return ops().greedy_verdict(parents, tokens, sizes, logits)
+    B, N = _check_accept(parents, tokens, sizes)
+    check_tensor(logits, "logits", torch.float32, (B, N, None), parents.device)
+    if logits.shape[2] < 1:
+        raise ValueError("logits must have a non-empty vocabulary (V >= 1)")
+    return verdict_summary(tokens, *tree_accept_greedy(parents, tokens, sizes, argmax(logits)))
 
 
 def tree_accept_sample(parents, tokens, sizes, target_probs, uniforms, draft_probs=None) -> AcceptResult:

@@ -295,7 +295,7 @@ class SpeculativeDecoder(Decoder):
         path, length, nxt = self.accept(seqs, tree, logits, draft_probs)
         if not self.causal:  # a chain's accepted path is its prefix, already in place
             self.keep_path(g.meta.slot_mapping.view(Bp, N)[:B], path)
-        summary = self.summary(tree.tokens, path, length, nxt)
+        summary = eagle_kernels.verdict_summary(tree.tokens, path, length, nxt)
         logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             # new token j is predicted at path node j: the next accepted draft, or at j = length the bonus
@@ -323,10 +323,10 @@ class SpeculativeDecoder(Decoder):
         tree = Tree(ids, parents, g.inputs["depths"], None, sizes)
         meta = g.meta if self.causal else dataclasses.replace(g.meta, tree_mask=tree.mask())
         logits = self._target_over(ids, tree.depths, meta).view(Bp, N, -1)                  # [Bp, N, V]
-        path, length, nxt = eagle_kernels.tree_accept_greedy(parents, ids, sizes, argmax(logits))
+        summary = eagle_kernels.greedy_verdict(parents, ids, sizes, logits)                 # [Bp, 2N + 2]
         if not self.causal:
-            self.keep_path(meta.slot_mapping.view(Bp, N), path)
-        return self.summary(ids, path, length, nxt)
+            self.keep_path(meta.slot_mapping.view(Bp, N), summary[:, 2:N + 2])
+        return summary
 
     def _verify_fn(self, g):
         return self._target_over(g.inputs["ids"], g.inputs["depths"], g.meta)
@@ -338,13 +338,6 @@ class SpeculativeDecoder(Decoder):
                                        self.capture, self.capture_into)
         self.store(meta.slot_mapping, feature, captured)
         return self.model.logits(feature)
-
-    @staticmethod
-    def summary(tokens, path, length, nxt) -> torch.Tensor:
-        """What read copies to the host: int64 [B, 2N + 2] = accepted length, next token, path (node ids,
-        -1 padded), the tokens on it. tokens int64 [B, N]; path int32 [B, N]; length int32 [B]; nxt int64 [B]."""
-        on_path = tokens.gather(1, path.clamp(min=0).long())
-        return torch.cat([length[:, None].long(), nxt[:, None], path.long(), on_path], 1)
 
     def accept(self, seqs, tree: Tree, logits, draft_probs):
         """Greedy rows accept while the draft equals the target's argmax; sampled rows by tree rejection
@@ -367,7 +360,7 @@ class SpeculativeDecoder(Decoder):
 
     def keep_path(self, slots: torch.Tensor, path: torch.Tensor):
         """Copy the KV of accepted node path[b, j] (at slots[b, path[b, j]]) to slots[b, j], every layer at
-        once; rejected positions copy onto themselves. slots: int64 [B, N]; path: int32 [B, N], -1 padded."""
+        once; rejected positions copy onto themselves. slots: int64 [B, N]; path: int32 or int64 [B, N], -1 padded."""
         src = torch.where(path >= 0, slots.gather(1, path.clamp(min=0).long()), slots).flatten()
         self.move_slots(slots.flatten(), src)
 

@@ -16,7 +16,7 @@ import torch
 from scipy import stats
 
 import eagle_kernels.rejection as rejection
-from eagle_kernels import tree_accept_greedy, tree_accept_sample, triton_on_cpu
+from eagle_kernels import argmax, greedy_verdict, tree_accept_greedy, tree_accept_sample, triton_on_cpu, verdict_summary
 from kernel_refs_tree import batch_trees, random_bfs_parents, ref_tree_accept_greedy, ref_tree_accept_sample
 
 CUDA = torch.cuda.is_available()
@@ -84,6 +84,41 @@ def mismatch(got, want) -> str | None:
 def test_greedy_cpu_matches_reference(B, N, V):
     args = greedy_args(make_case(B, N, V, seed=B + 10 * N + V))
     assert mismatch(tree_accept_greedy(**args), ref_tree_accept_greedy(**args)) is None
+
+
+@pytest.mark.parametrize("B,N,V", GRID)
+def test_greedy_verdict_matches_accept_then_summary(B, N, V):
+    """greedy_verdict (the CPU's one op: argmax of the visited nodes only, the descent, the summary) against
+    argmax + the reference acceptance + verdict_summary, on logits (ties and NaN rows too: the first index of
+    a row's maximum, or its first NaN, as argmax gives it)."""
+    case = make_case(B, N, V, seed=7 + B + 10 * N + V)
+    logits = case["target_probs"].log()
+    gen = torch.Generator().manual_seed(V)
+    logits[torch.rand(B, N, generator=gen) < 0.2] = 0.0                  # whole-row ties
+    logits[..., 0][torch.rand(B, N, generator=gen) < 0.1] = float("nan")  # NaN rows
+    tree = dict(parents=case["parents"], tokens=case["tokens"], sizes=case["sizes"])
+    want = verdict_summary(case["tokens"], *ref_tree_accept_greedy(**tree, target_argmax=argmax(logits)))
+    got = greedy_verdict(**tree, logits=logits)
+    assert got.dtype == torch.int64 and torch.equal(got, want), (got.tolist(), want.tolist())
+    assert rejection._GREEDY_VERDICT_CPU  # the C++ op ran, not the reference composition
+    if N > 1 and B > 1:
+        assert want[:, 0].max() > 0  # some drafts accepted
+
+
+def test_greedy_verdict_bad_arguments_raise_value_error():
+    case = make_case(2, 4, 8, seed=0)
+    tree = dict(parents=case["parents"], tokens=case["tokens"], sizes=case["sizes"])
+    logits = case["target_probs"]
+    bad = {
+        "logits must be (torch.float32|Float)": dict(logits=logits.double()),
+        r"logits must be \[B, N, V\] with V >= 1": dict(logits=logits[..., :0]),
+        r"logits must have shape \[2, 4, 8\]": dict(logits=logits[:, :3]),
+        r"tokens must have shape \[2, 4\]": dict(tokens=case["tokens"][:1]),
+        "breaks BFS order": dict(parents=torch.tensor([[-1, 0, 3, 1]] * 2, dtype=torch.int32)),
+    }
+    for message, change in bad.items():
+        with pytest.raises(ValueError, match=message):
+            greedy_verdict(**{**tree, "logits": logits, **change})
 
 
 @pytest.mark.parametrize("mode", ["tree", "tree-truncated", "chain-q"])
