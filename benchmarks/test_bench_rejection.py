@@ -1,5 +1,6 @@
 """tree_accept_greedy / tree_accept_sample: the public functions (the C++ op on CPU, the Triton kernels on
-CUDA) against the naive reference.
+CUDA) against the naive reference; greedy_verdict (from logits to the host's summary: one C++ op on the CPU)
+against the composition it replaces there (argmax + tree_accept_greedy + verdict_summary).
 
 Bytes moved = the tree, uniforms and outputs + the probability rows the algorithm has to read: every
 node on the accepted path for deterministic drafts; with draft probabilities only the final node's target
@@ -8,7 +9,7 @@ row and, if its child was rejected, that child's draft row (accepted nodes read 
 import pytest
 import torch
 
-from eagle_kernels import tree_accept_greedy, tree_accept_sample
+from eagle_kernels import argmax, greedy_verdict, tree_accept_greedy, tree_accept_sample, verdict_summary
 from kernel_refs_tree import batch_trees, random_bfs_parents, ref_tree_accept_greedy, ref_tree_accept_sample
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -79,3 +80,22 @@ def test_tree_accept(bandwidth, shape, mode, impl):
     fn = call(impl, mode, case)
     path, length, _ = fn()
     bandwidth(fn, moved_bytes({k: v.cpu() for k, v in case.items()}, mode, length.cpu(), path.cpu()), device)
+
+
+@pytest.mark.parametrize("impl", ["native", "composed"])
+@pytest.mark.parametrize("shape", ["B1-N3-V49k", "B4-N16-V32k"])
+def test_greedy_verdict(bandwidth, shape, impl):
+    """Bytes moved: the logits rows the descent reads (the visited nodes; the composition reads them all, the
+    same count is used for both), the tree and the summary."""
+    B, N, V = {"B1-N3-V49k": (1, 3, 49152), "B4-N16-V32k": (4, 16, 32000)}[shape]
+    case = {k: v.to(DEVICE) for k, v in make_case(B, N, V).items()}
+    tree = (case["parents"], case["tokens"], case["sizes"])
+    logits = case["target_probs"].log()
+    if impl == "native":
+        fn = lambda: greedy_verdict(*tree, logits)
+    else:
+        fn = lambda: verdict_summary(case["tokens"], *tree_accept_greedy(*tree, argmax(logits)))
+    out = fn()
+    assert torch.equal(out.cpu(), greedy_verdict(*tree, logits).cpu())
+    visited = int((out[:, 0] + 1).sum())
+    bandwidth(fn, visited * V * 4 + B * N * (4 + 8) + B * 4 + B * (2 * N + 2) * 8, DEVICE)
