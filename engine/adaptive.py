@@ -42,7 +42,12 @@ batch 1), and stops paying once the batch alone fills the device: then d* = 0.
   cannot be predicted yet) is played until it has MIN_SAMPLES timed rounds in this bucket, as is one within
   NOISE of the best: one round's time varies by +-20% on a shared CPU, and the best depth's estimate is the
   fastest of a full window, so a single slow early round of a depth (it came out 1.2x its steady time and
-  kept speculation off for two requests, measured) must not rule it out. Settled depths are
+  kept speculation off for two requests, measured) must not rule it out. A depth's timed rounds go stale
+  STALE rounds after they were played: its estimate then comes from its fresh rounds alone once it has any,
+  and a stale depth within NOISE of the best is a close call (re-probed as below): a shared CPU's speed
+  drifts by 30% within minutes, and a depth last timed while a neighbour was busy kept its slow estimate
+  against the played depth's fresh, fast one (traced on the EPYC: a whole request decoded plainly that
+  drafting made faster before and after it). Settled depths are
   re-probed (the stalest first) while re-probes have taken less than PROBE_SHARE of the
   bucket's time. A probe's cost includes catching the draft up on the rounds that drafted nothing (an EAGLE
   head feeds every token since it last ran: after a long stretch at depth 0, more than the probe itself): the
@@ -78,6 +83,7 @@ MARGIN = 0.1        # drafting's value is discounted by this much against plain 
 STAY_MARGIN = 0.02  # ... and by this much to go on (the bucket's best depth was a drafting one)
 MIN_SAMPLES = 3     # timed rounds a depth is played before its estimate alone may rule it out ...
 NOISE = 0.3         # ... while it is within this share of the best (one round's time: +-20% on a shared CPU)
+STALE = 64          # rounds after which a depth's timed rounds are stale (a close call if within NOISE)
 HORIZON = 256       # reply tokens a prompt's feed is spread over at most (replies often end well before their cap)
 
 
@@ -98,7 +104,7 @@ class SpeculationPolicy:
         self.seen = [0] * (self.depth + 1)                # the round c_j was last observed
         self.mean = [1.0] * (self.depth + 1)              # m_j: c_j over every observation (long run)
         self.mean_weight = [float(PRIOR_WEIGHT)] * (self.depth + 1)
-        self.samples: dict[tuple[int, int], deque] = {}   # (bucket, d) -> (batch, seconds)
+        self.samples: dict[tuple[int, int], deque] = {}   # (bucket, d) -> (batch, seconds, round)
         self.tried: dict[tuple[int, int], int] = {}       # (bucket, d) -> the round it was last played
         self.spent: dict[int, float] = {}                 # bucket -> seconds of all its rounds
         self.probed: dict[int, float] = {}                # bucket -> seconds of its re-probes
@@ -144,7 +150,8 @@ class SpeculationPolicy:
         self.settled[k] = best
         rounds, tried, floor = self.rounds, self.tried, (1 - SLACK) * value[best]
         close = [d for d in depths if d != best and
-                 value[d] >= floor - SLACK * (rounds - tried.get((k, d), rounds)) / AGING * value[best]]
+                 (value[d] >= floor - SLACK * (rounds - tried.get((k, d), rounds)) / AGING * value[best]
+                  or value[d] >= (1 - NOISE) * value[best] and not self.fresh(k, d))]  # stale: the speed drifts
         timed = {d: len(self.samples.get((k, d), ())) for d in depths}
         young = [d for d in depths if d != best and timed[d] < MIN_SAMPLES
                  and (value[d] >= (1 - NOISE) * value[best] or not timed[d] and d in close)]
@@ -175,15 +182,20 @@ class SpeculationPolicy:
     def seconds(self, batch: int, d: int) -> float | None:
         """Estimated round time at this batch size and depth; None when there is nothing to go on."""
         k = bucket(batch)
-        seen = self.samples.get((k, d))
-        if not seen:
+        every = self.samples.get((k, d))
+        if not every:
             return self.predict(batch * self.tokens[d], exclude=(k, d))
-        exact = [t for b, t in seen if b == batch]
-        est = min(exact or [t * batch / b for b, t in seen])
-        if len(seen) == 1:
+        seen = self.fresh(k, d) or every
+        exact = [t for b, t, _ in seen if b == batch]
+        est = min(exact or [t * batch / b for b, t, _ in seen])
+        if len(every) == 1:
             guess = self.predict(batch * self.tokens[d], exclude=(k, d))
             est = est if guess is None else min(est, guess)
         return est
+
+    def fresh(self, k: int, d: int) -> list[tuple[int, float, int]]:
+        """The timed rounds of depth d in bucket k played within the last STALE rounds."""
+        return [s for s in self.samples.get((k, d), ()) if self.rounds - s[2] <= STALE]
 
     def predict(self, rows: int, exclude: tuple[int, int]) -> float | None:
         """seconds ~ a + b * rows, least squares over one point per measured shape (its fastest sample) but
@@ -191,7 +203,7 @@ class SpeculationPolicy:
         pts = []
         for (k, d), seen in self.samples.items():
             if (k, d) != exclude:
-                b, t = min(seen, key=lambda s: s[1])
+                b, t, _ = min(seen, key=lambda s: s[1])
                 pts.append((b * self.tokens[d], t))
         if len({x for x, _ in pts}) < 2:
             return None
@@ -215,7 +227,7 @@ class SpeculationPolicy:
             self.feed_rate = rate if not self.feed_rate else 0.5 * (self.feed_rate + rate)
         self.tried[k, d], self.rounds = self.rounds, self.rounds + 1
         if seconds is not None:
-            self.samples.setdefault((k, d), deque(maxlen=SAMPLES)).append((batch, seconds))
+            self.samples.setdefault((k, d), deque(maxlen=SAMPLES)).append((batch, seconds, self.rounds))
             self.spent[k] = self.spent.get(k, 0.0) + seconds
         for j in range(1, d + 1):
             reached = [a for a in accepted if a >= j - 1]
