@@ -20,7 +20,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& prefix_lens, const c10::optional<at::Tensor>& tree_mask,
                            c10::optional<double> scale);
 at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& w);
-at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype);
+at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
+                    c10::optional<at::ScalarType> out_dtype = c10::nullopt);
 at::Tensor embedding_q(const at::Tensor& ids, const at::Tensor& w, int64_t qtype, at::ScalarType dtype);
 // The Llama decoder stack in one call (csrc/cpu_decoder.cpp; eagle_kernels/decoder.py has the contract).
 std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(

@@ -511,10 +511,12 @@ void compute(const uint8_t* w, int64_t g0, int64_t g1, const QuantX& xq, int64_t
 
 namespace eagle::cpu {
 
-at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
+at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype, c10::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK_VALUE(qtype == kQ4_1 || qtype == kQ8_0, "linear_q: qtype must be 3 (Q4_1) or 8 (Q8_0), got ", qtype);
   TORCH_CHECK_VALUE(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
                     "linear_q: x must be a bf16 or fp32 [M, K] tensor");
+  const at::ScalarType out = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK_VALUE(out == at::kBFloat16 || out == at::kFloat, "linear_q: out_dtype must be bf16 or fp32");
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   const bool q4 = qtype == kQ4_1;
   TORCH_CHECK_VALUE(K % kBlock == 0 && K > 0, "linear_q: K = ", K, " must be a positive multiple of 32");
@@ -523,14 +525,14 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
                     "linear_q: w must be a contiguous uint8 [N / 16, ", group_bytes, "] tensor (K = ", K, ")");
   TORCH_CHECK_VALUE(x.device().is_cpu() && w.device().is_cpu(), "linear_q: CPU tensors only");
   const int64_t groups = w.size(0), N = groups * kGroup;
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, x.options().dtype(out));
   if (M == 0 || N == 0) return y;
   const at::Tensor xc = x.contiguous();
   QuantX& xq = scratch();
   if (x.scalar_type() == at::kBFloat16) quantize_rows(xc.data_ptr<at::BFloat16>(), M, K, xq);
   else quantize_rows(xc.data_ptr<float>(), M, K, xq);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const bool bf16 = out == at::kBFloat16;  // y's dtype (x's is quantized above, the same int8 either way)
   // At least ~32 KB of weights a task.
   at::parallel_for(0, groups, std::max<int64_t>(1, (32 << 10) / group_bytes), [&](int64_t g0, int64_t g1) {
     if (q4 && bf16) compute<true>(wp, g0, g1, xq, M, N, y.data_ptr<at::BFloat16>());
@@ -594,7 +596,7 @@ at::Tensor embedding_q(const at::Tensor& ids_in, const at::Tensor& w, int64_t qt
 }  // namespace eagle::cpu
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
-  m.def("linear_q(Tensor x, Tensor w, int qtype) -> Tensor");
+  m.def("linear_q(Tensor x, Tensor w, int qtype, ScalarType? out_dtype=None) -> Tensor");
   m.def("embedding_q(Tensor ids, Tensor w, int qtype, ScalarType dtype) -> Tensor");
 }
 

@@ -47,28 +47,34 @@ def _check(data: torch.Tensor, qtype: str, K: int):
                          f"got {data.dtype} {list(data.shape)}")
 
 
-def linear_q(x: torch.Tensor, data: torch.Tensor, qtype: str) -> torch.Tensor:
-    """x: [..., K] bf16 / fp32 (CPU), data: a quantized [N, K] weight (uint8 [N / 16, ...]) -> [..., N] in x's dtype."""
+def linear_q(x: torch.Tensor, data: torch.Tensor, qtype: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x: [..., K] bf16 / fp32 (CPU), data: a quantized [N, K] weight (uint8 [N / 16, ...]) -> [..., N] in
+    `out_dtype` (bf16 / fp32; x's by default). x is quantized to the same int8 blocks whatever its dtype, so
+    bf16 x with fp32 out is the fp32 result for x.float(), without that copy."""
     K = x.shape[-1]
     if _ops.CHECKED:
         _check(data, qtype, K)
         if x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu" or data.device.type != "cpu":
             raise ValueError(f"linear_q: x must be a bf16/fp32 CPU tensor and the weight on the CPU, got "
                              f"{x.dtype} on {x.device}, weight on {data.device}")
+        if out_dtype not in (None, torch.bfloat16, torch.float32):
+            raise ValueError(f"linear_q: out_dtype must be bf16 or fp32, got {out_dtype}")
     if _CPU_OP and x.dim() == 2:  # the engine's packed tokens: no reshapes (this runs ~120 times a token)
-        return _OP(x, data, QTYPES[qtype][0])
+        return _OP(x, data, QTYPES[qtype][0], out_dtype)
     rows = x.reshape(-1, K)
     if _CPU_OP:
-        y = _OP(rows, data, QTYPES[qtype][0])
+        y = _OP(rows, data, QTYPES[qtype][0], out_dtype)
     else:  # no extension: the same quantized operands, an fp32 GEMM
         q, d, _ = quantize_x(rows)
-        y = F.linear((q * d).reshape(rows.shape), dequantize(data, qtype)).to(x.dtype)
+        y = F.linear((q * d).reshape(rows.shape), dequantize(data, qtype)).to(out_dtype or x.dtype)
     return y.reshape(*x.shape[:-1], out_features(data))
 
 
 def embedding_q(ids: torch.Tensor, data: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of a quantized [V, K] table, dequantized -> [*ids.shape, K] in `dtype` (the values of `rows`)."""
     if _EMBEDDING_OP and dtype in (torch.bfloat16, torch.float32) and data.device.type == "cpu":
+        if ids.dim() == 1:  # the engine's packed tokens
+            return ops().embedding_q(ids, data, QTYPES[qtype][0], dtype)
         out = ops().embedding_q(ids.reshape(-1), data, QTYPES[qtype][0], dtype)
     else:
         out = rows(data, qtype, ids.reshape(-1)).to(dtype)

@@ -132,11 +132,13 @@ class Decoder:
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [1] * B).padded(Bp)
         g = self.runner.graph(self.graphs, ("decode", Bp), plan, self._decode, {}, host_ids=True)
         logits = g.run(plan, host_ids=[s.last_id for s in seqs])
-        return self.sampled(seqs, self.sampler.adjust(logits[:B], seqs))
+        return self.sampled(seqs, self.sampler.adjust(logits if Bp == B else logits[:B], seqs))
 
     def sampled(self, seqs: list[Sequence], logits: torch.Tensor) -> "Verdict":
         """A token per sequence drawn from logits [B, V] (and its logprobs, where asked), copied to the host."""
         tokens = self.sampler(logits, seqs)
+        if all(s.params.logprobs is None for s in seqs):
+            return Verdict.decoded(tokens.tolist())
         logprobs = self.logprob_rows(seqs, logits[:, None], tokens[:, None])
         return Verdict.decoded(tokens.tolist(), read_logprobs(seqs, logprobs, [1] * len(seqs)))
 

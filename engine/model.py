@@ -48,8 +48,8 @@ class QLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(eagle_kernels.quant.quantize(w, qtype), qtype, linear.in_features, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = eagle_kernels.linear_q(x, self.qweight, self.qtype)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        y = eagle_kernels.linear_q(x, self.qweight, self.qtype, out_dtype)  # in x's dtype by default
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -112,7 +112,13 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        # positions: int32 / int64 [T] (or [B, S]) -> cos, sin [T, D] ([B, S, D]); index_select of the packed
+        # tokens' positions costs a few times less host time than indexing, and no cast where none is asked
+        if positions.dim() != 1:
+            cos, sin = self(positions.reshape(-1), dtype)
+            return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
 
 
 class Attention(nn.Module):
@@ -211,10 +217,10 @@ class Llama(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
-        # feature: [N, H] -> fp32 logits [N, V]; a quantized head computes them in fp32 from fp32 x (the same
-        # int8 activations), with no bf16 rounding and no cast of V values
+        # feature: [N, H] -> fp32 logits [N, V]; a quantized head writes them in fp32 (the same int8 activations
+        # from bf16 or fp32 x), with no bf16 rounding and no cast of V values
         if isinstance(self.lm_head, QLinear):
-            return self.lm_head(feature.float())
+            return self.lm_head(feature, torch.float32)
         return self.lm_head(feature).float()
 
 

@@ -63,6 +63,22 @@ def test_linear_q_rows_do_not_depend_on_the_batch(qtype):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("M,K,N", SHAPES[:6])
+def test_linear_q_out_dtype(qtype, M, K, N):
+    """bf16 x with fp32 out (an LM head's logits) is bit for bit the fp32 result of x.float(): the same int8
+    blocks either way, no bf16 rounding of the outputs; fp32 x with bf16 out is that result rounded."""
+    gen = torch.Generator().manual_seed(M + K + N)
+    data = quant.quantize(random_weight(N, K, gen), qtype)
+    x = torch.randn(M, K, generator=gen).bfloat16()
+    y = eagle_kernels.linear_q(x, data, qtype, torch.float32)
+    assert y.dtype == torch.float32 and torch.equal(y, eagle_kernels.linear_q(x.float(), data, qtype))
+    assert torch.equal(eagle_kernels.linear_q(x.float(), data, qtype, torch.bfloat16), y.bfloat16())
+    assert torch.equal(eagle_kernels.linear_q(x[None], data, qtype, torch.float32)[0], y)  # the reshaping path
+    with pytest.raises(ValueError, match="out_dtype"):
+        eagle_kernels.linear_q(x, data, qtype, torch.float16)
+
+
 _SCRIPT = """
 import sys, torch
 from eagle_kernels import linear_q, quant
