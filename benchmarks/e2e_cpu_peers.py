@@ -1,6 +1,6 @@
 """This engine against its CPU peers on the same GGUF, one request at a time, greedy.
 
-    python benchmarks/e2e_cpu_peers.py [--prompts 10] [--max-tokens 128] [--threads 2]
+    python benchmarks/e2e_cpu_peers.py [--prompts 10] [--max-tokens 128] [--passes 1] [--threads 2]
         [--weights auto,bf16] [--no-transformers] [--llama-cpp-bin DIR] [--png benchmarks/plots/e2e_cpu_peers.png]
 
 Contenders, each in its own process (no shared thread pools or caches between them), alternated prompt by
@@ -21,9 +21,12 @@ shared machine hits all alike):
   - transformers' generate (the GGUF dequantized by transformers, bf16), greedy.
 Every contender gets the same chat-templated prompt tokens and generates exactly --max-tokens tokens (EOS
 ignored). Reported per contender: decode tokens/s (tokens after the first over the time after the first:
-prefill costs all alike), end-to-end tokens/s, medians over prompts, and ratios to llama.cpp's (native when
-given, else llama-cpp-python's: medians of per-prompt ratios). The
-engine's speculative outputs are checked token for token against its vanilla outputs of the same weights.
+prefill costs all alike), end-to-end tokens/s, medians over prompts, and the ratios the speed targets are
+stated in, each the median of per-prompt ratios: to the engine's vanilla (and its worst prompt), to llama.cpp
+(native, llama-cpp-python) and to native llama.cpp's EAGLE-3, where they ran. With --passes N every prompt
+runs N times per contender (the order rotated each pass) and its figure is the median of its runs, so a burst
+of load from a neighbour during one run does not make that prompt the worst. The engine's speculative outputs
+are checked token for token against its vanilla outputs of the same weights (every pass).
 Prompts: MT-bench-style chat turns (writing, roleplay, reasoning, math, coding, extraction, STEM,
 humanities), written for this benchmark.
 """
@@ -231,24 +234,36 @@ class Worker:
         self.proc.join()
 
 
-def measure(contenders: dict, prompts: list[list[int]], max_tokens: int) -> tuple[dict, dict, dict]:
-    """Every contender on every prompt, alternated prompt by prompt (after one warm-up prompt). -> decode tok/s,
-    end-to-end tok/s and outputs, per contender and prompt."""
+def measure(contenders: dict, prompts: list[list[int]], max_tokens: int, passes: int = 1) -> tuple[dict, dict, dict]:
+    """Every contender on every prompt, alternated prompt by prompt (after one warm-up prompt), `passes` times
+    over the prompts (the order rotated each pass). -> decode tok/s and end-to-end tok/s per contender and
+    prompt (the median over the passes: a burst of load from a neighbour during one run moves it less), and
+    outputs per contender, prompt and pass."""
     for ids in prompts[:1]:  # warm-up: first-call allocations, the policy's first timings
         for run in contenders.values():
             run(ids, 16)
-    decode, e2e, outputs = ({name: [] for name in contenders} for _ in range(3))
     names = list(contenders)
-    for i, ids in enumerate(prompts):
-        order = names[i % len(names):] + names[:i % len(names)]
-        for name in order:
-            out, first_s, total_s = contenders[name](ids, max_tokens)
-            assert len(out) == max_tokens, (name, len(out))
-            decode[name].append((len(out) - 1) / (total_s - first_s))
-            e2e[name].append(len(out) / total_s)
-            outputs[name].append(out)
-        print(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{n} {decode[n][-1]:.1f}" for n in names), flush=True)
-    return decode, e2e, outputs
+    decode, e2e = ({n: [[] for _ in prompts] for n in names} for _ in range(2))
+    outputs = {n: [[] for _ in prompts] for n in names}
+    for k in range(passes):
+        for i, ids in enumerate(prompts):
+            shift = (i + k) % len(names)
+            for name in names[shift:] + names[:shift]:
+                out, first_s, total_s = contenders[name](ids, max_tokens)
+                assert len(out) == max_tokens, (name, len(out))
+                decode[name][i].append((len(out) - 1) / (total_s - first_s))
+                e2e[name][i].append(len(out) / total_s)
+                outputs[name][i].append(out)
+            print(f"pass {k + 1}/{passes} prompt {i + 1}/{len(prompts)}: " +
+                  ", ".join(f"{n} {decode[n][i][-1]:.1f}" for n in names), flush=True)
+    per_prompt = lambda runs: {n: [statistics.median(r) for r in runs[n]] for n in names}  # noqa: E731
+    return per_prompt(decode), per_prompt(e2e), outputs
+
+
+def ratios(decode: dict, name: str, base: str) -> tuple[float, float]:
+    """(median, min) over the prompts of name's decode tok/s / base's: both ran each prompt back to back."""
+    r = [a / b for a, b in zip(decode[name], decode[base])]
+    return statistics.median(r), min(r)
 
 
 def main(argv=None):
@@ -256,6 +271,8 @@ def main(argv=None):
     p.add_argument("--model", default="smollm2-135m", help="a GGUF model (registry name or path)")
     p.add_argument("--prompts", type=int, default=len(PROMPTS))
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--passes", type=int, default=1,
+                   help="runs of every contender on every prompt; a prompt's figure is the median of its runs")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--weights", default="auto,bf16", help="comma-separated engine weight formats")
     p.add_argument("--methods", default="vanilla,auto",
@@ -273,6 +290,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not 1 <= args.prompts <= len(PROMPTS):
         p.error(f"--prompts must be in 1..{len(PROMPTS)}")
+    if args.passes < 1:
+        p.error(f"--passes must be >= 1, got {args.passes}")
     src = resolve_model(args.model)
     if src.kind != "gguf":
         p.error(f"--model must be a GGUF model (llama.cpp reads GGUF), got {src.path}")
@@ -314,30 +333,33 @@ def main(argv=None):
         if name in workers:
             contenders[name] = lambda ids, n, w=workers[name]: w.run(texts[tuple(ids)], n)
     try:
-        decode, e2e, outputs = measure(contenders, prompts, args.max_tokens)
+        decode, e2e, outputs = measure(contenders, prompts, args.max_tokens, args.passes)
     except RuntimeError as e:
         sys.exit(f"e2e_cpu_peers: {e}\n(a llama.cpp build whose batched prompt kernels crash here runs with "
                  "--llama-cpp-batch 1)")
     names = list(contenders)
 
 
-    same = {f"{m} ({w})": sum(a == b for a, b in zip(outputs[f"engine vanilla ({w})"], outputs[f"engine {m} ({w})"]))
+    # a prompt counts as equal when every pass of the method produced vanilla's first pass's tokens
+    same = {f"{m} ({w})": sum(all(o == ref_runs[0] for o in runs) for ref_runs, runs in
+                              zip(outputs[f"engine vanilla ({w})"], outputs[f"engine {m} ({w})"]))
             for w in weights for m in methods[1:]}
-    ref = next((r for r in ("llama.cpp native", "llama.cpp") if r in contenders), None)
+    vanilla = f"engine vanilla ({weights[0]})"
+    refs = [r for r in ("llama.cpp native", "llama.cpp", "llama.cpp native eagle3") if r in contenders]
     med = {n: statistics.median(decode[n]) for n in names}
-    print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy, {args.threads} threads, batch 1")
-    print(f"| contender | decode tok/s | end-to-end tok/s |" + (f" decode / {ref} |" if ref else ""))
-    print("|---|---|---|" + ("---|" if ref else ""))
+    print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens x {args.passes} passes, greedy, {args.threads} "
+          f"threads, batch 1; ratios: medians of per-prompt ratios (both ran the prompt back to back)")
+    print(f"| contender | decode tok/s | end-to-end tok/s | / {vanilla} (worst prompt) |" +
+          "".join(f" / {r} |" for r in refs))
+    print("|---|---|---|---|" + "---|" * len(refs))
     for n in names:
-        row = f"| {n} | {med[n]:.1f} | {statistics.median(e2e[n]):.1f} |"
-        if ref:  # the median of per-prompt ratios: both ran on the same prompt back to back
-            row += f" {statistics.median(a / b for a, b in zip(decode[n], decode[ref])):.2f} |"
-        print(row)
+        row = f"| {n} | {med[n]:.1f} | {statistics.median(e2e[n]):.1f} | %.3f (%.3f) |" % ratios(decode, n, vanilla)
+        print(row + "".join(f" {ratios(decode, n, r)[0]:.2f} |" for r in refs))
     for name, k in same.items():
         w = name.split(" (")[1][:-1]
         print(f"engine {name} output == engine vanilla ({w}) output: {k}/{len(prompts)} prompts")
     if "llama.cpp" in contenders and "engine vanilla (auto)" in contenders:
-        agree = sum(a == b for a, b in zip(outputs["llama.cpp"], outputs["engine vanilla (auto)"]))
+        agree = sum(a[0] == b[0] for a, b in zip(outputs["llama.cpp"], outputs["engine vanilla (auto)"]))
         print(f"llama.cpp output == engine vanilla (auto) output: {agree}/{len(prompts)} prompts "
               f"(different kernels round differently; informational)")
 

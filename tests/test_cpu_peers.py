@@ -70,3 +70,27 @@ def test_native_llama_cpp_eagle3_reads_its_counters(tmp_path):
     assert len(out) == 128 and first_s == pytest.approx(0.11) and total_s == pytest.approx(1.38)
     with pytest.raises(ValueError, match="decoded 130 tokens, not 256"):
         eagle3.run("hi", 256)
+
+
+def test_measure_takes_each_prompts_median_over_passes():
+    """Contenders alternate prompt by prompt in an order rotated per prompt and per pass; a prompt's decode
+    rate is the median of its passes, so one slow run (a neighbour's burst) does not set it."""
+    module = peers()
+    calls, slow = [], {("b", 1, 0)}  # contender b's first pass over prompt 1 runs 10x slow
+
+    def contender(name):
+        def run(ids, n):
+            if n == 16:  # the warm-up
+                return [0] * n, 0.0, 1.0
+            k = sum(c[0] == name and c[1] == ids[0] for c in calls)  # this contender's pass over this prompt
+            calls.append((name, ids[0]))
+            seconds = (n - 1) / (100 if name == "a" else 50) * (10 if (name, ids[0], k) in slow else 1)
+            return list(range(n)), 0.0, seconds
+        return run
+
+    decode, e2e, outputs = module.measure({"a": contender("a"), "b": contender("b")}, [[0], [1], [2]], 9, passes=3)
+    assert decode == {"a": [100.0] * 3, "b": [50.0] * 3}  # the slow run is outvoted
+    assert [len(runs) for runs in outputs["b"]] == [3, 3, 3]
+    first = [c[0] for c in calls[::2]]  # who ran first on each (pass, prompt)
+    assert first == ["a", "b", "a", "b", "a", "b", "a", "b", "a"]
+    assert module.ratios(decode, "b", "a") == (0.5, 0.5)
