@@ -37,7 +37,8 @@ def forward_ms(llm: LLM, context: int, rows: list[int], repeats: int, device: to
         return dt
 
     with torch.inference_mode(), llm.borrow() as seq:
-        seq.forward([list(range(100, 100 + context))])
+        if context:
+            seq.forward([list(range(100, 100 + context))])
         for m in rows:  # warm-up
             once(m)
         for _ in range(repeats):
@@ -57,6 +58,8 @@ def main():
     ap.add_argument("--plot", help="write the curve to this PNG")
     add_device_arg(ap)
     args = ap.parse_args()
+    if args.context < 0 or args.repeats < 1 or min(args.rows) < 1:
+        ap.error("--context must be >= 0, --repeats and every --rows value >= 1")
     try:
         device = resolve_device(args.device)
     except DeviceError as e:

@@ -1,5 +1,5 @@
 """`--device` on the training pipeline and the benchmarks: a CUDA request without a GPU is one line on
-stderr and exit code 2, before any model or data is read."""
+stderr and exit code 2, before any model or data is read (and verify_cost's other bad sizes alike)."""
 import os
 import subprocess
 import sys
@@ -28,6 +28,23 @@ def test_device_cuda_without_a_gpu_is_one_line_and_exit_code_2(name, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --device cuda"), r.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags", [["--rows", "0"], ["--context", "-1"], ["--repeats", "0"]])
+def test_verify_cost_bad_sizes_are_a_usage_error(flags):
+    r = subprocess.run([sys.executable, "benchmarks/verify_cost.py", *flags], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("verify_cost.py: error: --context"), r.stderr
+
+
+def test_verify_cost_from_an_empty_context():
+    """A decode at context 0 (the first token) was a reshape error."""
+    r = subprocess.run([sys.executable, "benchmarks/verify_cost.py", "--context", "0", "--rows", "1", "2",
+                        "--repeats", "1", "--threads", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert [row[0] for row in rows] == ["1", "2"] and all(float(row[1]) > 0 for row in rows), r.stdout
 
 
 def test_pipeline_parses_the_shared_flag():
