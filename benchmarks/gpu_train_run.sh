@@ -65,8 +65,13 @@ fi
 
 run=/tmp/gpu_train_run
 rm -rf "$run"
-from=()  # reply parts generated elsewhere (gpu_train_stage.py --replies): trained on beside the run's own
-for d in "$last"/replies/*/; do [ -d "$d" ] && from+=(--replies-from "$d"); done
+from=()  # reply parts generated elsewhere (gpu_train_stage.py --replies, gzipped): trained on beside the run's own
+for t in "$last"/replies/*.tar.gz; do
+    [ -f "$t" ] || continue
+    d=/tmp/gpu_train_replies/$(basename "$t" .tar.gz)
+    rm -rf "$d" && mkdir -p "$d" && tar xzf "$t" -C "$d" || exit 2
+    from+=(--replies-from "$d")
+done
 stamp "replies from elsewhere: $(( ${#from[@]} / 2 )) directories"
 minutes=${TRAIN_MIN:-5}
 timeout "$($PY -c "print(int(float('$minutes') * 60) + 150)")" $PY -m train.pipeline --out "$run" --device "${DEVICE:-cuda}" \

@@ -9,7 +9,8 @@ writes, under the ignored folder .carry/gpu_train/:
                       Python), the prompts (ShareGPT conversations, train and held-out split kept by id,
                       gzipped JSON: train.pipeline's `sharegpt` and `sharegpt-turns` sources read them),
                       the pieces' SHA-256 and, with --replies, reply parts
-                      the target generated elsewhere (replies/<k>/: train.pipeline --replies-from)
+                      the target generated elsewhere (replies/<k>.tar.gz: gpu_train_run.sh unpacks each
+                      for train.pipeline --replies-from)
     commands.txt      the device calls, in order: every call but the last only carries its piece; the last
                       runs benchmarks/gpu_train_run.sh (reassemble, check, build, train.pipeline --device cuda)
 
@@ -33,6 +34,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +71,20 @@ def write_prompts(path: Path, train: int, heldout: int, source: str | None = Non
     return {**counts, "bytes": path.stat().st_size}
 
 
+def pack_replies(dirs: list[Path], folder: Path) -> None:
+    """Each directory's reply parts gzipped into folder/<k>.tar.gz (the parts at the archive's top, for
+    gpu_train_run.sh to unpack into a directory of its own): token ids compress ~7x, and one GPU session's
+    parts (~50 MB) would not fit a call raw. ValueError for a directory without parts."""
+    for k, d in enumerate(dirs):
+        parts = sorted(Path(d).glob("part_*.safetensors"))
+        if not parts:
+            raise ValueError(f"--replies {d}: no reply parts (part_*.safetensors) there")
+        folder.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(folder / f"{k}.tar.gz", "w:gz") as t:
+            for f in parts:
+                t.add(f, arcname=f.name)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="registry name or .gguf path")
@@ -99,13 +115,10 @@ def main() -> int:
     meta.mkdir()
     (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: gguf\nVersion: {version}\n")
     (meta / "RECORD").write_text("")
-    for k, d in enumerate(args.replies):
-        parts = sorted(d.glob("part_*.safetensors"))
-        if not parts:
-            sys.exit(f"gpu_train_stage: --replies {d}: no reply parts (part_*.safetensors) there")
-        (extras / "replies" / str(k)).mkdir(parents=True)
-        for f in parts:
-            shutil.copy(f, extras / "replies" / str(k) / f.name)
+    try:
+        pack_replies(args.replies, extras / "replies")
+    except ValueError as e:
+        sys.exit(f"gpu_train_stage: {e}")
     extra_bytes = sum(f.stat().st_size for f in extras.rglob("*") if f.is_file())
 
     room = LIMIT - tracked_bytes() - SLACK

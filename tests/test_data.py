@@ -240,3 +240,28 @@ def test_replies_from_elsewhere_are_read_counted_and_checked(tmp_path):
         f"--replies-from {tmp_path / 'none'}: no reply parts (part_*.safetensors) there"
     with pytest.raises(ValueError, match=r"token id 9 is outside the target's vocabulary \[0, 9\)"):
         data.read_extra_replies([str(a), str(b)], vocab=9)
+
+
+def test_staged_replies_travel_gzipped_and_unpack_to_the_same_parts(tmp_path):
+    """gpu_train_stage.py packs each --replies directory into <k>.tar.gz (a GPU session's parts do not fit a
+    device call raw); unpacked as gpu_train_run.sh does, they read back as the same sequences."""
+    import importlib.util
+    import tarfile
+    spec = importlib.util.spec_from_file_location("gpu_train_stage", "benchmarks/gpu_train_stage.py")
+    stage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stage)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    data.write_part(data.part_path(a, 0), [([1, 2, 3, 4], 2)], [(0, 0)])
+    data.write_part(data.part_path(a, 1), [([5, 6, 7], 1)], [(1, 0)])
+    data.write_part(data.part_path(b, 0), [([7, 8, 9, 9, 9], 1)], [(3, 0)])
+    stage.pack_replies([a, b], tmp_path / "staged")
+    assert sorted(f.name for f in (tmp_path / "staged").iterdir()) == ["0.tar.gz", "1.tar.gz"]
+    for k, d in enumerate((a, b)):
+        out = tmp_path / "unpacked" / str(k)
+        out.mkdir(parents=True)
+        with tarfile.open(tmp_path / "staged" / f"{k}.tar.gz") as t:
+            t.extractall(out, filter="data")
+        assert data.read_replies(out) == data.read_replies(d)
+    with pytest.raises(ValueError, match="no reply parts"):
+        stage.pack_replies([tmp_path / "unpacked"], tmp_path / "again")
