@@ -303,34 +303,50 @@ EAGLE_AVX512_VNNI void group_avx512(const uint8_t* w, const Panel& x, Out* y, in
   const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t stride = gap * x.nb * group_block_bytes<Q4>();
   for (int64_t b = 0; b < x.nb; ++b) {
+#pragma GCC unroll 2
     for (int g = 0; g < G; ++g) {
       const uint8_t* blk = w + g * stride + b * group_block_bytes<Q4>();
       prefetch_ahead<Q4>(blk);
-      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-      __m512i wq[8];
-      if constexpr (Q4) {
-        for (int j = 0; j < 4; ++j) {
-          const __m512i v = _mm512_loadu_si512(blk + 64 + 64 * j);
-          wq[j] = _mm512_and_si512(v, nib);
-          wq[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-        }
-      } else {
-        for (int j = 0; j < 8; ++j) wq[j] = _mm512_xor_si512(_mm512_loadu_si512(blk + 32 + 64 * j), flip);
-      }
+      // Each sub-block vector is unpacked once and applied to every row before the next is loaded (few vectors
+      // live), into two int32 chains a row summed at the end: the same isum as one chain (integer sums are
+      // exact), with half its latency. Verifying 3 rows cost 1.33x a decode step before, 1.11x after (Zen 5).
+      __m512i isum[R][2];
+      const int8_t* xq = x.q + b * kBlock;
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const int8_t* xq = x.q + r * x.K + b * kBlock;
-        __m512i isum = Q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * x.sum[r * x.nb + b]);
-        for (int j = 0; j < 8; ++j) {
-          int32_t a;
-          std::memcpy(&a, xq + 4 * j, 4);
-          isum = _mm512_dpbusd_epi32(isum, wq[j], _mm512_set1_epi32(a));
-        }
-        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.nb + b]));
-        acc[g][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), acc[g][r]);
+        isum[r][0] = Q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * x.sum[r * x.nb + b]);
+        isum[r][1] = _mm512_setzero_si512();
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < (Q4 ? 4 : 8); ++j) {
+        __m512i lo, hi;
         if constexpr (Q4) {
-          const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-          acc[g][r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[r * x.nb + b]), acc[g][r]);
+          const __m512i v = _mm512_loadu_si512(blk + 64 + 64 * j);
+          lo = _mm512_and_si512(v, nib);                           // sub-block j
+          hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);     // sub-block j + 4
+        } else {
+          lo = _mm512_xor_si512(_mm512_loadu_si512(blk + 32 + 64 * j), flip);
         }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t a;
+          std::memcpy(&a, xq + r * x.K + 4 * j, 4);
+          isum[r][j & 1] = _mm512_dpbusd_epi32(isum[r][j & 1], lo, _mm512_set1_epi32(a));
+          if constexpr (Q4) {
+            int32_t c;
+            std::memcpy(&c, xq + r * x.K + 16 + 4 * j, 4);
+            isum[r][(j & 1) ^ 1] = _mm512_dpbusd_epi32(isum[r][(j & 1) ^ 1], hi, _mm512_set1_epi32(c));
+          }
+        }
+      }
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+      const __m512 mw = Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)))
+                           : _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.nb + b]));
+        acc[g][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(isum[r][0], isum[r][1])), acc[g][r]);
+        if constexpr (Q4) acc[g][r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[r * x.nb + b]), acc[g][r]);
       }
     }
   }
