@@ -36,6 +36,11 @@ batch 1), and stops paying once the batch alone fills the device: then d* = 0.
   loss. Once the best depth drafts, only STAY_MARGIN: its steady rounds' times hold those costs, and a
   full margin both ways gave up drafting that paid 5-10% (measured: `auto` at 1.01-1.05x vanilla where a
   fixed chain made 1.08-1.11x).
+- Among drafting depths, the deepest one within DEEPER of the best is played. c_j is observed only in
+  rounds that draft j deep, so a shallower depth played on a close call keeps the deeper one's c_j as it
+  was, and a few unlucky rounds could keep it out for whole requests (traced on the Zen 5 EPYC at batch 1,
+  where the chain's full depth was the better one on every prompt: benchmarks/RESULTS.md, session 28). At
+  most DEEPER is given up where the shallower depth is truly better.
 - Exploring: a new bucket first plays depth 0 for SAMPLES rounds (the baseline every depth is weighed
   against, measured over a window: a single cold first round must not make drafting look better than it
   is). Then the best measured depth is played, except that a depth whose value is close to the best (or
@@ -81,6 +86,7 @@ PROBE_SHARE = 0.01  # of a bucket's round time, the most its re-probes may take
 REUSE = 8           # rounds a plain decision (the best depth, settled, no probe due) holds at the same batch size
 MARGIN = 0.1        # drafting's value is discounted by this much against plain decoding to start drafting ...
 STAY_MARGIN = 0.02  # ... and by this much to go on (the bucket's best depth was a drafting one)
+DEEPER = 0.03       # a deeper drafting depth this close to the best drafting depth is played instead
 MIN_SAMPLES = 3     # timed rounds a depth is played before its estimate alone may rule it out ...
 NOISE = 0.3         # ... while it is within this share of the best (one round's time: +-20% on a shared CPU)
 STALE = 64          # rounds after which a depth's timed rounds are stale (a close call if within NOISE)
@@ -147,6 +153,8 @@ class SpeculationPolicy:
         value = [float("inf") if t is None else batch * self.expected_tokens(d) / max(t, 1e-9) / (1 + margin * (d > 0))
                  for d, t in zip(depths, charged)]
         best = max((d for d in depths if (k, d) in self.samples), key=lambda d: value[d])
+        if best:  # the deepest measured drafting depth within DEEPER of the best: its c_j stay observed
+            best = max(d for d in depths[best:] if (k, d) in self.samples and value[d] >= (1 - DEEPER) * value[best])
         self.settled[k] = best
         rounds, tried, floor = self.rounds, self.tried, (1 - SLACK) * value[best]
         close = [d for d in depths if d != best and

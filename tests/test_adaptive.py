@@ -210,12 +210,31 @@ def test_a_long_prompt_is_not_fed_for_a_short_reply():
         return short[1:], long  # the first request measures the feed
 
     plain = reply * seconds(1, 0)
-    for seed in range(4):
+    fast = []  # whether each short request took less than 0.85 of plain decoding
+    for seed in range(12):
         short, long = run(True, seed)
         assert all(drafted == 0 and t == pytest.approx(plain) for t, drafted in long), long
-        assert all(t < 0.85 * plain for t, _ in short), short
-        short, long = run(False, seed)
-        assert all(t > plain for t, _ in long) and all(t < 0.85 * plain for t, _ in short), (short, long)
+        fast += [t < 0.85 * plain for t, _ in short]
+        if seed < 4:
+            short, long = run(False, seed)
+            assert all(t > plain for t, _ in long) and all(t < 0.85 * plain for t, _ in short), (short, long)
+    # Where a run settles is partly luck (acceptance drawn per round): now and then a short request spends a
+    # stretch plainly after an unlucky probe (~1.5% of them over 40 seeds, with or without DEEPER).
+    assert sum(fast) >= 0.95 * len(fast)
+
+
+def test_the_deeper_of_two_close_drafting_depths_is_played():
+    """Depth 2 estimated 2% below depth 1 (its c_2 from a few unlucky rounds, say): depth 2 is played, so c_2
+    keeps being observed; 6% below, depth 1 is."""
+    for c2, deeper in ((0.408, True), (0.282, False)):
+        policy = SpeculationPolicy(CPU_TREE)
+        for d, t in ((0, 0.0070), (1, 0.0085), (2, 0.0100)):
+            for _ in range(SAMPLES):
+                policy.observe(1, d, t, [])
+        policy.accept[1:], policy.weight[1:], policy.seen[1:] = [0.6, c2], [64.0, 64.0], [policy.rounds] * 2
+        value = [policy.expected_tokens(d) / t for d, t in ((1, 0.0085), (2, 0.0100))]
+        assert value[1] / value[0] == pytest.approx(0.98 if deeper else 0.94, abs=0.002)
+        assert policy.choose(1) == (2 if deeper else 1)
 
 
 def test_a_slow_first_round_does_not_lock_a_depth_out():
