@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -64,10 +65,32 @@ struct Head {
     return out;
   }
 
-  at::Tensor logits(const at::Tensor& out) const {  // fp32 [rows, Vd]
-    return linear(eagle::cpu::rms_norm(out, w[kNorm], eps, c10::nullopt), w[kLmHead], f[kLmHeadFormat]).to(at::kFloat);
+  at::Tensor logits(const at::Tensor& out) const {  // [rows, Vd], in the LM head's output dtype (bf16)
+    return linear(eagle::cpu::rms_norm(out, w[kNorm], eps, c10::nullopt), w[kLmHead], f[kLmHeadFormat]);
   }
 };
+
+// Row b's largest logit as fp32 (best[b]) and its index (top[b]), as at::max over the fp32 logits picks them:
+// the first of equal maxima, the first NaN if there is one. In place of at::max and a widened copy of the
+// logits: two ATen calls a level whose dispatch cost more than the scan, run cold after the target's step.
+template <typename T>
+void top1_rows(const at::Tensor& logits, float* best, int64_t* top) {
+  const int64_t B = logits.size(0), V = logits.size(1);
+  const T* x = logits.data_ptr<T>();
+  for (int64_t b = 0; b < B; ++b, x += V) {
+    float m = -std::numeric_limits<float>::infinity();
+    int64_t arg = 0;
+    for (int64_t i = 0; i < V; ++i) {
+      const float v = static_cast<float>(x[i]);
+      if (std::isnan(v)) {
+        m = v, arg = i;
+        break;
+      }
+      if (v > m) m = v, arg = i;
+    }
+    best[b] = m, top[b] = arg;
+  }
+}
 
 std::tuple<at::Tensor, at::Tensor> draft_chain(const at::Tensor& features, const at::Tensor& ids,
                                                const at::Tensor& positions, const at::Tensor& slot_mapping,
@@ -101,6 +124,7 @@ std::tuple<at::Tensor, at::Tensor> draft_chain(const at::Tensor& features, const
     root_rows[b] = cup[b + 1] - 1;
   }
   const Head head(weights, formats, eps, cos, sin, kv, num_q_heads);
+  const at::Tensor d2t_host = d2t.to(at::kLong).contiguous();
   const at::Tensor rows = at::tensor(root_rows, at::kLong);
   const at::Tensor hidden = linear(features.index_select(0, slot_mapping), weights[kFc], formats[kFcFormat]);  // [T, H]
   at::Tensor out = head.step(ids, hidden, positions, slot_mapping, block_tables, cu, prefix_lens).index_select(0, rows);
@@ -128,12 +152,17 @@ std::tuple<at::Tensor, at::Tensor> draft_chain(const at::Tensor& features, const
       }
       out = head.step(tokens.back(), out, step_pos, step_slots, block_tables, step_cu, step_prefix);
     }
-    const at::Tensor logits = head.logits(out);
-    const auto [best, top] = at::max(logits, 1);
-    tokens.push_back(top + d2t.index_select(0, top));
+    const at::Tensor logits = head.logits(out).contiguous();                              // [B, Vd]
+    at::Tensor best = at::empty({B}, at::kFloat), next = at::empty({B}, at::kLong);
+    int64_t* ids_out = next.data_ptr<int64_t>();
+    if (logits.scalar_type() == at::kBFloat16) top1_rows<at::BFloat16>(logits, best.data_ptr<float>(), ids_out);
+    else top1_rows<float>(logits.to(at::kFloat), best.data_ptr<float>(), ids_out);
+    const int64_t* map = d2t_host.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) ids_out[b] += map[ids_out[b]];  // the draft vocabulary's id -> the target's
+    tokens.push_back(next);
     bool more = false;
     if (std::isfinite(log_floor)) {
-      score = score + (best - at::logsumexp(logits, {1}));
+      score = score + (best - at::logsumexp(logits.to(at::kFloat), {1}));
       const at::Tensor ok = at::ge(score, log_floor);
       const bool* okp = ok.data_ptr<bool>();
       for (int64_t b = 0; b < B; ++b) {
