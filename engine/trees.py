@@ -51,9 +51,8 @@ class Tree:
         """tokens: int64 [B, N] root -> d1 -> ... (SpS); sizes int32 [B]."""
         B, N = tokens.shape
         idx = torch.arange(N, dtype=torch.int32, device=tokens.device).expand(B, N)
-        valid = idx < sizes[:, None]
-        return cls(tokens, torch.where(valid, idx - 1, -1), torch.where(valid, idx, 0),
-                   torch.zeros(B, N, device=tokens.device), sizes)
+        depths = idx * (idx < sizes[:, None])  # padding: depth 0, parent -1 (few ops: a CPU round runs this cold)
+        return cls(tokens, depths - 1, depths, torch.zeros(B, N, device=tokens.device), sizes)
 
     @property
     def num_nodes(self) -> int:
