@@ -23,10 +23,12 @@ Every contender gets the same chat-templated prompt tokens and generates exactly
 ignored). Reported per contender: decode tokens/s (tokens after the first over the time after the first:
 prefill costs all alike), end-to-end tokens/s, medians over prompts, and the ratios the speed targets are
 stated in, each the median of per-prompt ratios: to the engine's vanilla (and its worst prompt), to llama.cpp
-(native, llama-cpp-python) and to native llama.cpp's EAGLE-3, where they ran. With --passes N every prompt
-runs N times per contender (the order rotated each pass) and its figure is the median of its runs, so a burst
-of load from a neighbour during one run does not make that prompt the worst. The engine's speculative outputs
-are checked token for token against its vanilla outputs of the same weights (every pass).
+(native, llama-cpp-python) and to native llama.cpp's EAGLE-3, where they ran; and for the engine's
+speculative contenders, tau (tokens a round) and their rounds by drafted depth (how `auto` played). With
+--passes N every prompt runs N times per contender (the order rotated each pass) and its figure is the median
+of its runs, so a burst of load from a neighbour during one run does not make that prompt the worst. The
+engine's speculative outputs are checked token for token against its vanilla outputs of the same weights
+(every pass).
 Prompts: MT-bench-style chat turns (writing, roleplay, reasoning, math, coding, extraction, STEM,
 humanities), written for this benchmark.
 """
@@ -67,6 +69,7 @@ class Engine:
     def __init__(self, model: str, weights: str, threads: int, method: str):
         self.llm = LLM(model, "bfloat16", device="cpu", weights=weights, threads=threads, max_batch=1,
                        kv_cache_gb=0.25, method=method)
+        self.rounds, self.reached, self.depths = 0, 0.0, []  # over the timed runs (see `speculation`)
 
     def chat_ids(self, text: str) -> list[int]:
         return self.llm.chat_ids(text)
@@ -79,9 +82,26 @@ class Engine:
         """-> (tokens, seconds to the first token, seconds in all)."""
         first = []
         t0 = time.perf_counter()
-        seqs, _ = self.llm.generate([ids], SamplingParams(max_new_tokens=n, ignore_eos=True),
-                                    on_tokens=lambda seq, toks: first or first.append(time.perf_counter()))
+        seqs, stats = self.llm.generate([ids], SamplingParams(max_new_tokens=n, ignore_eos=True),
+                                        on_tokens=lambda seq, toks: first or first.append(time.perf_counter()))
+        spec = stats.extra
+        if spec.get("rounds"):  # a speculative decoder's counters for this run
+            self.rounds += spec["rounds"]
+            self.reached += (spec["tau"] - 1) * spec["rounds"]
+            hist = spec["depth_hist"]
+            n = max(len(self.depths), len(hist))
+            self.depths = [a + b for a, b in zip(self.depths + [0] * (n - len(self.depths)),
+                                                 hist + [0] * (n - len(hist)))]
         return seqs[0].output_ids, first[0] - t0, time.perf_counter() - t0
+
+    def speculation(self, reset: bool = False) -> dict:
+        """Rounds, tau (tokens a round) and rounds by drafted depth over the runs so far (the adaptive policy's
+        choices, for `auto`); `reset` starts the count again (after the warm-up)."""
+        out = {"rounds": self.rounds, "tau": round(1 + self.reached / max(self.rounds, 1), 3),
+               "rounds_by_depth": list(self.depths)}
+        if reset:
+            self.rounds, self.reached, self.depths = 0, 0.0, []
+        return out
 
 
 class LlamaCpp:
@@ -234,14 +254,19 @@ class Worker:
         self.proc.join()
 
 
-def measure(contenders: dict, prompts: list[list[int]], max_tokens: int, passes: int = 1) -> tuple[dict, dict, dict]:
+def measure(contenders: dict, prompts: list[list[int]], max_tokens: int, passes: int = 1,
+            counters: dict | None = None) -> tuple[dict, dict, dict]:
     """Every contender on every prompt, alternated prompt by prompt (after one warm-up prompt), `passes` times
     over the prompts (the order rotated each pass). -> decode tok/s and end-to-end tok/s per contender and
     prompt (the median over the passes: a burst of load from a neighbour during one run moves it less), and
-    outputs per contender, prompt and pass."""
+    outputs per contender, prompt and pass. `counters`: name -> a callable(reset) whose counts restart after
+    the warm-up (the engine's speculation counters)."""
+    counters = counters or {}
     for ids in prompts[:1]:  # warm-up: first-call allocations, the policy's first timings
         for run in contenders.values():
             run(ids, 16)
+    for counts in counters.values():
+        counts(True)  # the warm-up's rounds do not count
     names = list(contenders)
     decode, e2e = ({n: [[] for _ in prompts] for n in names} for _ in range(2))
     outputs = {n: [[] for _ in prompts] for n in names}
@@ -333,7 +358,9 @@ def main(argv=None):
         if name in workers:
             contenders[name] = lambda ids, n, w=workers[name]: w.run(texts[tuple(ids)], n)
     try:
-        decode, e2e, outputs = measure(contenders, prompts, args.max_tokens, args.passes)
+        decode, e2e, outputs = measure(contenders, prompts, args.max_tokens, args.passes,
+                                       {n: lambda reset, w=workers[n]: w.call("speculation", reset)
+                                        for n in workers if n.startswith("engine ") and "vanilla" not in n})
     except RuntimeError as e:
         sys.exit(f"e2e_cpu_peers: {e}\n(a llama.cpp build whose batched prompt kernels crash here runs with "
                  "--llama-cpp-batch 1)")
@@ -358,6 +385,9 @@ def main(argv=None):
     for name, k in same.items():
         w = name.split(" (")[1][:-1]
         print(f"engine {name} output == engine vanilla ({w}) output: {k}/{len(prompts)} prompts")
+    spec = {n: workers[n].call("speculation") for n in names if n.startswith("engine ") and "vanilla" not in n}
+    for n, c in spec.items():
+        print(f"{n}: tau {c['tau']} over {c['rounds']} rounds; rounds by drafted depth {c['rounds_by_depth']}")
     if "llama.cpp" in contenders and "engine vanilla (auto)" in contenders:
         agree = sum(a[0] == b[0] for a, b in zip(outputs["llama.cpp"], outputs["engine vanilla (auto)"]))
         print(f"llama.cpp output == engine vanilla (auto) output: {agree}/{len(prompts)} prompts "
@@ -365,7 +395,7 @@ def main(argv=None):
 
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"args": vars(args), "decode_tok_s": decode, "e2e_tok_s": e2e,
-                                           "spec_equals_vanilla": same}, indent=1))
+                                           "spec_equals_vanilla": same, "speculation": spec}, indent=1))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -88,9 +88,27 @@ def test_measure_takes_each_prompts_median_over_passes():
             return list(range(n)), 0.0, seconds
         return run
 
-    decode, e2e, outputs = module.measure({"a": contender("a"), "b": contender("b")}, [[0], [1], [2]], 9, passes=3)
+    resets = []
+    decode, e2e, outputs = module.measure({"a": contender("a"), "b": contender("b")}, [[0], [1], [2]], 9, passes=3,
+                                          counters={"b": lambda reset: resets.append((reset, len(calls)))})
+    assert resets == [(True, 0)]  # counts restart once, after the warm-up and before the timed runs
     assert decode == {"a": [100.0] * 3, "b": [50.0] * 3}  # the slow run is outvoted
     assert [len(runs) for runs in outputs["b"]] == [3, 3, 3]
     first = [c[0] for c in calls[::2]]  # who ran first on each (pass, prompt)
     assert first == ["a", "b", "a", "b", "a", "b", "a", "b", "a"]
     assert module.ratios(decode, "b", "a") == (0.5, 0.5)
+
+
+def test_engine_counts_its_rounds_by_depth():
+    """The engine contender's speculation counters: tau and rounds by drafted depth over its runs (the fixed
+    chain drafts 2 levels a round, but where the reply's end caps it), restarted by a reset."""
+    engine = peers().Engine("smollm2-135m", "auto", 2, "eagle3")
+    ids = engine.chat_ids("Count from one to twenty.")
+    assert engine.speculation() == {"rounds": 0, "tau": 1.0, "rounds_by_depth": []}
+    engine.run(ids, 24)
+    engine.run(ids, 24)
+    counts = engine.speculation(reset=True)
+    by_depth = counts["rounds_by_depth"]
+    assert counts["rounds"] == sum(by_depth) and len(by_depth) == 3 and by_depth[2] >= counts["rounds"] - 4
+    assert 1.0 < counts["tau"] <= 3.0 and counts["rounds"] * counts["tau"] >= 2 * 23  # 23 tokens a run after the first
+    assert engine.speculation()["rounds"] == 0
