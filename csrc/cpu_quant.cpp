@@ -303,49 +303,65 @@ EAGLE_AVX512_VNNI void group_avx512(const uint8_t* w, const Panel& x, Out* y, in
   const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t stride = gap * x.nb * group_block_bytes<Q4>();
   for (int64_t b = 0; b < x.nb; ++b) {
-#pragma GCC unroll 2
+    const uint8_t* blk[G];
     for (int g = 0; g < G; ++g) {
-      const uint8_t* blk = w + g * stride + b * group_block_bytes<Q4>();
-      prefetch_ahead<Q4>(blk);
-      // Each sub-block vector is unpacked once and applied to every row before the next is loaded (few vectors
-      // live), into two int32 chains a row summed at the end: the same isum as one chain (integer sums are
-      // exact), with half its latency. Verifying 3 rows cost 1.33x a decode step before, 1.11x after (Zen 5).
-      __m512i isum[R][2];
-      const int8_t* xq = x.q + b * kBlock;
+      blk[g] = w + g * stride + b * group_block_bytes<Q4>();
+      prefetch_ahead<Q4>(blk[g]);
+    }
+    // Each sub-block vector is unpacked once and applied to every row, and each row's 4 x values are broadcast
+    // once and applied to every group, before the next sub-block (few vectors live: with the groups outside the
+    // sub-blocks, GCC kept every broadcast of a block live across the groups and spilled the accumulators).
+    // The sums go into C int32 chains a row, added at the end: the same isum as one chain (integer sums are
+    // exact). Two chains halve a row's latency where few rows run; from 3 rows the rows' chains are enough.
+    constexpr int C = R >= 3 ? 1 : 2;
+    __m512i isum[G][R][C];
+    const int8_t* xq = x.q + b * kBlock;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512i init = Q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * x.sum[r * x.nb + b]);
+      for (int g = 0; g < G; ++g) {
+        isum[g][r][0] = init;
+        if constexpr (C == 2) isum[g][r][C - 1] = _mm512_setzero_si512();
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < (Q4 ? 4 : 8); ++j) {
+      __m512i lo[G], hi[G];
+      for (int g = 0; g < G; ++g) {
+        if constexpr (Q4) {
+          const __m512i v = _mm512_loadu_si512(blk[g] + 64 + 64 * j);
+          lo[g] = _mm512_and_si512(v, nib);                           // sub-block j
+          hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);     // sub-block j + 4
+        } else {
+          lo[g] = _mm512_xor_si512(_mm512_loadu_si512(blk[g] + 32 + 64 * j), flip);
+        }
+      }
+      constexpr int even = 0, odd = C - 1;  // the chains of sub-blocks j and j + 4
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        isum[r][0] = Q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * x.sum[r * x.nb + b]);
-        isum[r][1] = _mm512_setzero_si512();
-      }
-#pragma GCC unroll 8
-      for (int j = 0; j < (Q4 ? 4 : 8); ++j) {
-        __m512i lo, hi;
+        int32_t a;
+        std::memcpy(&a, xq + r * x.K + 4 * j, 4);
+        const __m512i xa = _mm512_set1_epi32(a);
+        const int k = (j & 1) ? odd : even;
+        for (int g = 0; g < G; ++g) isum[g][r][k] = _mm512_dpbusd_epi32(isum[g][r][k], lo[g], xa);
         if constexpr (Q4) {
-          const __m512i v = _mm512_loadu_si512(blk + 64 + 64 * j);
-          lo = _mm512_and_si512(v, nib);                           // sub-block j
-          hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);     // sub-block j + 4
-        } else {
-          lo = _mm512_xor_si512(_mm512_loadu_si512(blk + 32 + 64 * j), flip);
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          int32_t a;
-          std::memcpy(&a, xq + r * x.K + 4 * j, 4);
-          isum[r][j & 1] = _mm512_dpbusd_epi32(isum[r][j & 1], lo, _mm512_set1_epi32(a));
-          if constexpr (Q4) {
-            int32_t c;
-            std::memcpy(&c, xq + r * x.K + 16 + 4 * j, 4);
-            isum[r][(j & 1) ^ 1] = _mm512_dpbusd_epi32(isum[r][(j & 1) ^ 1], hi, _mm512_set1_epi32(c));
-          }
+          int32_t c;
+          std::memcpy(&c, xq + r * x.K + 16 + 4 * j, 4);
+          const __m512i xc = _mm512_set1_epi32(c);
+          const int k2 = (j & 1) ? even : odd;
+          for (int g = 0; g < G; ++g) isum[g][r][k2] = _mm512_dpbusd_epi32(isum[g][r][k2], hi[g], xc);
         }
       }
-      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-      const __m512 mw = Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)))
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g])));
+      const __m512 mw = Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g] + 32)))
                            : _mm512_setzero_ps();
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[r * x.nb + b]));
-        acc[g][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(isum[r][0], isum[r][1])), acc[g][r]);
+        const __m512i sum = C == 2 ? _mm512_add_epi32(isum[g][r][0], isum[g][r][C - 1]) : isum[g][r][0];
+        acc[g][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum), acc[g][r]);
         if constexpr (Q4) acc[g][r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[r * x.nb + b]), acc[g][r]);
       }
     }
