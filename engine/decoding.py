@@ -317,7 +317,8 @@ class SpeculativeDecoder(Decoder):
         g = self.runner.graph(self.graphs, ("verify_greedy", Bp, N), plan, self._verify_greedy_fn, {
             "ids": ((Bp, N), torch.int64), "depths": ((Bp, N), torch.int32),
             "parents": ((Bp, N), torch.int32, -1), "sizes": ((Bp,), torch.int32, 1)})
-        return g.run(plan, ids=tree.tokens, depths=tree.depths, parents=tree.parents, sizes=tree.sizes)[:B]
+        summary = g.run(plan, ids=tree.tokens, depths=tree.depths, parents=tree.parents, sizes=tree.sizes)
+        return summary if Bp == B else summary[:B]
 
     def _verify_greedy_fn(self, g):
         ids, parents, sizes = g.inputs["ids"], g.inputs["parents"], g.inputs["sizes"]

@@ -224,7 +224,8 @@ class StepGraph:
         self.runner._staging.to_device(self.runner._plan_ints(plan, ids), out=self.buf)
         self.meta.slot_mapping.copy_(self.slots)
         for k, v in inputs.items():  # the first rows: padded ones keep what they hold
-            self.inputs[k][:v.shape[0]].copy_(v, non_blocking=True)
+            dst = self.inputs[k]
+            (dst if v.shape[0] == dst.shape[0] else dst[:v.shape[0]]).copy_(v, non_blocking=True)
         if not self.runner.cuda_graphs:
             self.out = self.fn(self)
         elif self.cuda_graph is None:
