@@ -73,7 +73,7 @@ fi
 run=/tmp/gpu_train_run
 rm -rf "$run"
 from=()  # reply parts generated elsewhere (gpu_train_stage.py --replies, gzipped): trained on beside the run's own
-for t in "$last"/replies/*.tar.gz; do
+for t in "$STAGE"/p*/replies/*.tar.gz; do  # whichever call carried each
     [ -f "$t" ] || continue
     d=/tmp/gpu_train_replies/$(basename "$t" .tar.gz)
     rm -rf "$d" && mkdir -p "$d" && tar xzf "$t" -C "$d" || exit 2

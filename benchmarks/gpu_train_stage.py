@@ -8,9 +8,9 @@ writes, under the ignored folder .carry/gpu_train/:
                       while it stays warm, ~30 s between calls), the last piece with the gguf package (pure
                       Python), the prompts (ShareGPT conversations, train and held-out split kept by id,
                       gzipped JSON: train.pipeline's `sharegpt` and `sharegpt-turns` sources read them),
-                      the pieces' SHA-256 and, with --replies, reply parts
-                      the target generated elsewhere (replies/<k>.tar.gz: gpu_train_run.sh unpacks each
-                      for train.pipeline --replies-from)
+                      the pieces' SHA-256; with --replies, reply parts the target
+                      generated elsewhere, in whichever calls have room (pK/replies/<k>.tar.gz:
+                      gpu_train_run.sh unpacks each for train.pipeline --replies-from)
     commands.txt      the device calls, in order: every call but the last only carries its piece; the last
                       runs benchmarks/gpu_train_run.sh (reassemble, check, build, train.pipeline --device cuda)
 
@@ -85,6 +85,36 @@ def pack_replies(dirs: list[Path], folder: Path) -> None:
                 t.add(f, arcname=f.name)
 
 
+def plan_calls(gguf: int, tars: list[int], last: int, room: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """How the calls share the load, each carrying at most `room` bytes: the GGUF (`gguf` bytes, cut anywhere),
+    the reply archives (sizes `tars`, whole) and `last` bytes that ride the last call (prompts, the gguf
+    package, the manifest). The fewest calls: archives first-fit, largest first, then the GGUF in order into
+    what each call has left. -> (the GGUF's [start, end) byte range per call, each archive's call).
+    ValueError when one archive alone does not fit a call."""
+    if room <= last + (1 << 20) or any(t > room for t in tars):
+        raise ValueError(f"a call carries {room} bytes beside the repository: too little for the prompts "
+                         f"({last} bytes) and the largest reply archive ({max(tars, default=0)} bytes)")
+    n = max(1, -(-(gguf + sum(tars) + last) // room))
+    while True:
+        free = [room] * (n - 1) + [room - last]
+        homes = [0] * len(tars)
+        for i in sorted(range(len(tars)), key=lambda i: -tars[i]):
+            k = next((k for k in range(n) if free[k] >= tars[i]), None)
+            if k is None:
+                break
+            free[k] -= tars[i]
+            homes[i] = k
+        else:
+            if sum(free) >= gguf:
+                cuts, start = [], 0
+                for k in range(n):
+                    end = gguf if k == n - 1 else min(gguf, start + free[k])
+                    cuts.append((start, end))
+                    start = end
+                return cuts, homes
+        n += 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="registry name or .gguf path")
@@ -119,33 +149,25 @@ def main() -> int:
         pack_replies(args.replies, extras / "replies")
     except ValueError as e:
         sys.exit(f"gpu_train_stage: {e}")
-    extra_bytes = sum(f.stat().st_size for f in extras.rglob("*") if f.is_file())
-
+    tars = sorted(extras.glob("replies/*.tar.gz"))
+    last_bytes = sum(f.stat().st_size for f in extras.rglob("*") if f.is_file() and f not in tars)
     room = LIMIT - tracked_bytes() - SLACK
     data = src.path.read_bytes()
-    if room <= extra_bytes + (1 << 20):
-        sys.exit(f"gpu_train_stage: the repository leaves {room} bytes a call, too little")
-    # the last piece also carries the extras: cut the file so every call stays under the limit
-    n = 1
-    while (len(data) + extra_bytes) / n > room:
-        n += 1
-    size = -(-(len(data) + extra_bytes) // n)
-    pieces, start = [], 0
-    for k in range(n):
-        end = len(data) if k == n - 1 else start + size
-        pieces.append(data[start:end])
-        start = end
-    assert len(pieces[-1]) + extra_bytes <= room, "the last piece and the extras do not fit one call"
-    for k, piece in enumerate(pieces):
+    try:
+        cuts, homes = plan_calls(len(data), [t.stat().st_size for t in tars], last_bytes, room)
+    except ValueError as e:
+        sys.exit(f"gpu_train_stage: {e}")
+    n = len(cuts)
+    for k, (start, end) in enumerate(cuts):
         d = args.out / f"p{k}"
-        d.mkdir()
-        (d / f"{src.path.name}.{k}").write_bytes(piece)
+        (d / "replies").mkdir(parents=True)
+        (d / f"{src.path.name}.{k}").write_bytes(data[start:end])
+    for t, k in zip(tars, homes):
+        shutil.move(str(t), args.out / f"p{k}" / "replies" / t.name)
     last = args.out / f"p{n - 1}"
     shutil.move(str(extras / "sharegpt_prompts.json.gz"), last / "sharegpt_prompts.json.gz")
     shutil.move(str(extras / "site"), last / "site")
-    if args.replies:
-        shutil.move(str(extras / "replies"), last / "replies")
-    extras.rmdir()
+    shutil.rmtree(extras)
     manifest = {"gguf": src.path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
                 "pieces": n, "prompts": prompts, "replies": [str(d) for d in args.replies]}
     (last / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")

@@ -225,6 +225,37 @@ def test_later_turns_are_prompts_with_their_context_and_a_staged_copy_reads_alik
     assert staged.stat().st_size < full.stat().st_size  # the cut-off tails are not carried
 
 
+def test_staged_calls_each_fit_and_carry_everything_once():
+    """gpu_train_stage.plan_calls: whatever the GGUF's and the reply archives' sizes, every call stays within
+    its room (the last one's with the prompts beside), the GGUF's ranges tile it in order, every archive
+    rides exactly one call, and no call more is used than the load needs beyond what whole archives cost;
+    an archive larger than a call is refused."""
+    import importlib.util
+    import random
+    spec = importlib.util.spec_from_file_location("gpu_train_stage", "benchmarks/gpu_train_stage.py")
+    stage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stage)
+    rng = random.Random(0)
+    for _ in range(300):
+        room = rng.randint(3 << 20, 40 << 20)
+        last = rng.randint(0, room // 2)
+        gguf = rng.randint(1, 120 << 20)
+        tars = [rng.randint(1, room) for _ in range(rng.randint(0, 9))]
+        cuts, homes = stage.plan_calls(gguf, tars, last, room)
+        n = len(cuts)
+        assert cuts[0][0] == 0 and cuts[-1][1] == gguf
+        assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:])) and all(s <= e for s, e in cuts)
+        assert len(homes) == len(tars) and all(0 <= k < n for k in homes)
+        for k, (s, e) in enumerate(cuts):
+            load = e - s + sum(t for t, h in zip(tars, homes) if h == k) + (last if k == n - 1 else 0)
+            assert load <= room, (k, load, room)
+        assert n >= -(-(gguf + sum(tars) + last) // room)
+        if not tars:  # the GGUF alone cuts anywhere: the fewest calls
+            assert n == max(1, -(-(gguf + last) // room))
+    with pytest.raises(ValueError, match="largest reply archive"):
+        stage.plan_calls(10 << 20, [(8 << 20) + 1], 1 << 20, 8 << 20)
+
+
 def test_replies_from_elsewhere_are_read_counted_and_checked(tmp_path):
     """--replies-from: another run's parts join the training set with their counts; a directory without parts
     and a token outside the target's vocabulary (another model's replies) are refused."""
