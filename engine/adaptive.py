@@ -20,7 +20,12 @@ batch 1), and stops paying once the batch alone fills the device: then d* = 0.
   is expected to draft like requests in general, not like the one before it: its first round blends the
   batch's c_j toward the long-run means m_j (every observation, a window of LONG_WINDOW) by its share of the
   batch, as evidence worth FRESH_WEIGHT sequence-rounds at most, so one hard request does not keep
-  speculation off for the next ones until a re-probe happens to come.
+  speculation off for the next ones until a re-probe happens to come. The long-run mean of c_1 starts from
+  the optimistic prior worth LONG_PRIOR sequence-rounds: the first request's few drafting rounds are not
+  requests in general (the peers' first chat prompt, which the head drafts poorly for from its opening,
+  left m_1 at ~0.2 after its first probes, and the next two requests decoded plainly end to end; session 30
+  in benchmarks/RESULTS.md). Deeper c_j keep the light prior: observed only in deep rounds, a heavy one
+  would outweigh their evidence for long.
 - Cost: round wall times, kept per (batch bucket, d); batches are bucketed by powers of two. Samples taken
   at exactly this batch size are preferred; others in the bucket are scaled per sequence. The estimate is
   the fastest of the last SAMPLES: contention on a shared machine only ever adds time, and comes in bursts
@@ -54,7 +59,10 @@ batch 1), and stops paying once the batch alone fills the device: then d* = 0.
   against the played depth's fresh, fast one (traced on the EPYC: a whole request decoded plainly that
   drafting made faster before and after it). Settled depths are
   re-probed (the stalest first) while re-probes have taken less than PROBE_SHARE of the
-  bucket's time. A probe's cost includes catching the draft up on the rounds that drafted nothing (an EAGLE
+  bucket's time. A stale depth outside the close calls is re-probed too, when it is the stalest of all,
+  waiting for the budget it needs: a burst of contention can leave its whole window slow (8 slow rounds of
+  depth 2 kept it out for 167 rounds while depth 1 played, traced on the Zen 5 EPYC in session 30), and the
+  cheaper close calls took every probe it could have had. A probe's cost includes catching the draft up on the rounds that drafted nothing (an EAGLE
   head feeds every token since it last ran: after a long stretch at depth 0, more than the probe itself): the
   pairs the batch's draft is behind by, which the caller counts (a new request's prompt is no catch-up),
   times the seconds a pair last took.
@@ -79,6 +87,7 @@ WINDOW = 64         # sequence-rounds the acceptance rates average over
 PRIOR_WEIGHT = 1    # sequence-rounds the optimistic prior (every draft accepted) is worth
 HALF_LIFE = 32      # rounds unobserved after which an acceptance rate's evidence counts half
 LONG_WINDOW = 1024  # sequence-rounds the long-run acceptance means average over
+LONG_PRIOR = 12     # sequence-rounds the long-run mean of c_1's optimistic prior is worth
 FRESH_WEIGHT = 8    # sequence-rounds a new request's share of the long-run mean counts as
 SLACK = 0.1         # a depth within 10% of the best is a close call, worth re-probing ...
 AGING = 100         # ... and the margin grows by SLACK every AGING rounds its estimate goes unrefreshed
@@ -110,6 +119,7 @@ class SpeculationPolicy:
         self.seen = [0] * (self.depth + 1)                # the round c_j was last observed
         self.mean = [1.0] * (self.depth + 1)              # m_j: c_j over every observation (long run)
         self.mean_weight = [float(PRIOR_WEIGHT)] * (self.depth + 1)
+        self.mean_weight[1:2] = [float(LONG_PRIOR)] * (self.depth > 0)
         self.samples: dict[tuple[int, int], deque] = {}   # (bucket, d) -> (batch, seconds, round)
         self.tried: dict[tuple[int, int], int] = {}       # (bucket, d) -> the round it was last played
         self.spent: dict[int, float] = {}                 # bucket -> seconds of all its rounds
@@ -160,21 +170,26 @@ class SpeculationPolicy:
         close = [d for d in depths if d != best and
                  (value[d] >= floor - SLACK * (rounds - tried.get((k, d), rounds)) / AGING * value[best]
                   or value[d] >= (1 - NOISE) * value[best] and not self.fresh(k, d))]  # stale: the speed drifts
+        # and stale depths beyond them, each probed when it is the stalest (see the docstring)
+        far = [d for d in depths if d != best and d not in close and (k, d) in self.samples and not self.fresh(k, d)]
         timed = {d: len(self.samples.get((k, d), ())) for d in depths}
         young = [d for d in depths if d != best and timed[d] < MIN_SAMPLES
                  and (value[d] >= (1 - NOISE) * value[best] or not timed[d] and d in close)]
         if young:  # judged on too few rounds (or none) to rule it out
             return min(young)
         settled = len(self.samples[k, best]) == SAMPLES  # one volatile sample decides nothing for long
-        if not close:
+        if not close and not far:
             self.held = (batch, best, rounds) if settled else None
             return best
         budget = PROBE_SHARE * self.spent.get(k, 0.0) - self.probed.get(k, 0.0)
-        due = [d for d in close if seconds[d] + self.catch_up * behind + feed <= budget]  # it catches up first
+        staleness = lambda d: rounds - tried.get((k, d), rounds)  # noqa: E731
+        stalest = max(close + far, key=staleness)
+        due = [d for d in ([stalest] if stalest in far else close)
+               if seconds[d] + self.catch_up * behind + feed <= budget]  # it catches up first
         if not due:
             self.held = (batch, best, rounds) if settled else None
             return best
-        probe = max(due, key=lambda d: rounds - tried.get((k, d), rounds))
+        probe = max(due, key=staleness)
         self.probed[k] = self.probed.get(k, 0.0) + seconds[probe]
         return probe
 

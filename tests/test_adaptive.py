@@ -79,7 +79,8 @@ def test_cheap_verification_means_full_depth():
     policy = SpeculationPolicy(CPU_TREE)
     chosen = simulate(policy, 1, 200, CPU, [0.6, 0.3], random.Random(1))
     assert chosen.count(2) >= 170
-    assert chosen[:8] == [0] * 8 and chosen.count(0) == 8  # the baseline, measured over its window: clearly worse
+    # the baseline, measured over its window: clearly worse, re-probed only once stale (the probe budget)
+    assert chosen[:8] == [0] * 8 and chosen[8:72].count(0) == 0 and chosen.count(0) <= 8 + 2
     assert chosen.count(1) > MIN_SAMPLES  # a close call: timed, then timed again now and then ...
     tokens = lambda d: 1 + sum([0.6, 0.6 * 0.3][:d])  # ... at a cost of less than 1% against always depth 2
     assert sum(map(tokens, chosen[8:])) / sum(CPU(1, d) for d in chosen[8:]) >= 0.99 * tokens(2) / CPU(1, 2)
@@ -184,11 +185,34 @@ def test_a_new_request_is_not_judged_by_the_last_one():
     assert with_fresh[3] >= 0.9 and with_fresh[3] > without[3] + 0.05, (with_fresh, without)
 
 
+def test_a_hard_first_request_does_not_speak_for_the_requests_after_it():
+    """The first request the head drafts poorly for (traced on the peers' chat prompts: its first drafting
+    rounds accepted 1 of 8 drafts) must not become the long-run acceptance the next requests start from:
+    then the next two requests, which the head drafts well for, decoded plainly end to end. With the long-run
+    means' prior worth LONG_PRIOR rounds, the second request drafts from its first rounds."""
+    seconds = lambda batch, d: (0.0070, 0.0085, 0.0100)[d]
+    good, hard = [0.6, 0.4], [0.15, 0.2]
+    shares = []
+    for seed in range(8):
+        policy, rng = SpeculationPolicy(CPU_TREE), random.Random(seed)
+        drafted = []
+        for r in range(3):
+            accept = hard if r == 0 else good
+            for i in range(60):
+                d = policy.choose(1, 0, int(i == 0))
+                policy.observe(1, d, seconds(1, d), [sum(rng.random() < a for a in accept[:d])])
+                if r:
+                    drafted.append(d > 0)
+        shares.append(sum(drafted) / len(drafted))
+    assert sorted(shares)[1] >= 0.85, shares
+
+
 def test_a_long_prompt_is_not_fed_for_a_short_reply():
     """Requests one at a time, 128 tokens each, alternating short prompts (50 pairs) and long ones (3000): the
     draft's first round feeds the prompt (0.1 ms a pair). Drafting gains ~27% a round here, less than a long
     prompt's feed over a 128-token reply: with the feed charged (`unfed`), a long request decodes plainly and
-    never feeds (its time is plain decoding's), a short one drafts as before. Without it, both draft and
+    never feeds (its time is plain decoding's; the first one, after a single short request, at most rarely
+    drafts), a short one drafts as before. Without it, both draft and
     every long request ends slower than plain decoding."""
     seconds = lambda batch, d: (0.0070, 0.0085, 0.0100)[d]
     accept, rate, reply = [0.6, 0.35], 1e-4, 128
@@ -211,9 +235,11 @@ def test_a_long_prompt_is_not_fed_for_a_short_reply():
 
     plain = reply * seconds(1, 0)
     fast = []  # whether each short request took less than 0.85 of plain decoding
+    first_fed = 0  # the first long request comes after one short one: the long-run acceptance is mostly prior
     for seed in range(12):
         short, long = run(True, seed)
-        assert all(drafted == 0 and t == pytest.approx(plain) for t, drafted in long), long
+        assert all(drafted == 0 and t == pytest.approx(plain) for t, drafted in long[1:]), long
+        first_fed += long[0][1] > 0
         fast += [t < 0.85 * plain for t, _ in short]
         if seed < 4:
             short, long = run(False, seed)
@@ -221,6 +247,7 @@ def test_a_long_prompt_is_not_fed_for_a_short_reply():
     # Where a run settles is partly luck (acceptance drawn per round): now and then a short request spends a
     # stretch plainly after an unlucky probe (~1.5% of them over 40 seeds, with or without DEEPER).
     assert sum(fast) >= 0.95 * len(fast)
+    assert first_fed <= 1, first_fed  # LONG_PRIOR's optimism: ~1% of first long requests over 40 seeds
 
 
 def test_the_deeper_of_two_close_drafting_depths_is_played():
@@ -257,6 +284,24 @@ def test_acceptance_collapse_turns_speculation_off():
     simulate(policy, 1, 100, CPU, [0.6, 0.3], rng)
     chosen = simulate(policy, 1, 300, CPU, [0.0, 0.0], rng)
     assert chosen[-100:].count(0) >= 85
+
+
+def test_a_depth_timed_only_in_a_burst_of_contention_comes_back():
+    """Batch 1, depth 2 the best (by ~4%): a burst of contention (every round 1.6x for 16 rounds) leaves depth
+    2's whole window of timed rounds slow while depth 1, re-timed after it, looks fast; depth 2's value then
+    sits below the NOISE band, outside the close calls. As a stale depth it is still re-probed (the stalest
+    waits for the budget, the close calls do not take it first) and is played again after the burst, in
+    most runs for almost all of it (before: in none)."""
+    after = []
+    for seed in range(10):
+        policy, rng, chosen = SpeculationPolicy(CPU_TREE), random.Random(seed), []
+        for r in range(400):
+            d = policy.choose(1)
+            n = sum(rng.random() < a for a in [0.6, 0.35][:d])
+            policy.observe(1, d, CPU(1, d) * (1.6 if 100 <= r < 116 else 1.0) * (1 + 0.05 * rng.random()), [n])
+            chosen.append(d)
+        after.append(chosen[116:].count(2) / len(chosen[116:]))
+    assert sorted(after)[2] >= 0.4 and sorted(after)[5] >= 0.9, after
 
 
 def test_speculation_comes_back_when_acceptance_does():
