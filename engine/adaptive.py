@@ -45,7 +45,10 @@ batch 1), and stops paying once the batch alone fills the device: then d* = 0.
   rounds that draft j deep, so a shallower depth played on a close call keeps the deeper one's c_j as it
   was, and a few unlucky rounds could keep it out for whole requests (traced on the Zen 5 EPYC at batch 1,
   where the chain's full depth was the better one on every prompt: benchmarks/RESULTS.md, session 28). At
-  most DEEPER is given up where the shallower depth is truly better.
+  most DEEPER is given up where the shallower depth is truly better. It is wide because the depths' round
+  times are sampled at different moments, on a CPU whose speed drifts by more than a level's share of a round
+  (~7% at batch 1 on the Zen 5 EPYC): at 0.03, `auto` still drafted one level in 1220 of 1607 rounds of a run
+  where the chain of 2 beat the chain of 1 on every prompt (session 30).
 - Exploring: a new bucket first plays depth 0 for SAMPLES rounds (the baseline every depth is weighed
   against, measured over a window: a single cold first round must not make drafting look better than it
   is). Then the best measured depth is played, except that a depth whose value is close to the best (or
@@ -95,7 +98,7 @@ PROBE_SHARE = 0.01  # of a bucket's round time, the most its re-probes may take
 REUSE = 8           # rounds a plain decision (the best depth, settled, no probe due) holds at the same batch size
 MARGIN = 0.1        # drafting's value is discounted by this much against plain decoding to start drafting ...
 STAY_MARGIN = 0.02  # ... and by this much to go on (the bucket's best depth was a drafting one)
-DEEPER = 0.03       # a deeper drafting depth this close to the best drafting depth is played instead
+DEEPER = 0.10       # a deeper drafting depth this close to the best drafting depth is played instead
 MIN_SAMPLES = 3     # timed rounds a depth is played before its estimate alone may rule it out ...
 NOISE = 0.3         # ... while it is within this share of the best (one round's time: +-20% on a shared CPU)
 STALE = 64          # rounds after which a depth's timed rounds are stale (a close call if within NOISE)

@@ -251,16 +251,16 @@ def test_a_long_prompt_is_not_fed_for_a_short_reply():
 
 
 def test_the_deeper_of_two_close_drafting_depths_is_played():
-    """Depth 2 estimated 2% below depth 1 (its c_2 from a few unlucky rounds, say): depth 2 is played, so c_2
-    keeps being observed; 6% below, depth 1 is."""
-    for c2, deeper in ((0.408, True), (0.282, False)):
+    """Depth 2 estimated 7% below depth 1 (its c_2 from a few unlucky rounds, or its round time from a slow
+    spell, say): depth 2 is played, so c_2 and its time keep being observed; 13% below, depth 1 is."""
+    for c2, deeper in ((0.251, True), (0.063, False)):
         policy = SpeculationPolicy(CPU_TREE)
         for d, t in ((0, 0.0070), (1, 0.0085), (2, 0.0100)):
             for _ in range(SAMPLES):
                 policy.observe(1, d, t, [])
         policy.accept[1:], policy.weight[1:], policy.seen[1:] = [0.6, c2], [64.0, 64.0], [policy.rounds] * 2
         value = [policy.expected_tokens(d) / t for d, t in ((1, 0.0085), (2, 0.0100))]
-        assert value[1] / value[0] == pytest.approx(0.98 if deeper else 0.94, abs=0.002)
+        assert value[1] / value[0] == pytest.approx(0.93 if deeper else 0.87, abs=0.002)
         assert policy.choose(1) == (2 if deeper else 1)
 
 
