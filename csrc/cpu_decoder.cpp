@@ -30,6 +30,7 @@ namespace {
 
 constexpr int64_t kPerLayer = 6, kLinears = 4;
 constexpr int64_t kQ4_1 = 3, kQ8_0 = 8, kGroup = 16;  // GGML type ids; quantized weights come in groups of 16 rows
+constexpr int64_t kBlock = 32;  // the quantized linears' block along K (their activations' too)
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t format) {
   return format == 0 ? eagle::cpu::linear_dense(x, w) : eagle::cpu::linear_q(x, w, format);
@@ -54,9 +55,11 @@ void capture_rows(const at::BFloat16* hidden, const at::BFloat16* delta, int64_t
 // op, each linear and the attention open a parallel region (~1 us each), every op allocates its output, and
 // the norms, RoPE and SiLU run on one thread while the other waits. Here the threads enter one region for all
 // layers and meet at spin barriers between phases that each split their work (linear output groups, RoPE
-// heads, attention tasks; the gate and up rows of the same columns go to one thread, which applies SiLU to
-// them at once). Every output element is computed by the same kernel code as in the op-by-op path, so the
-// results are bit-identical whatever the thread count.
+// heads, attention tasks, the norms' rows; the gate and up rows of the same columns go to one thread, which
+// applies SiLU to them at once). A linear's input is quantized once, its parts by the threads that produced
+// them, not by every thread whole (a cost that grows with the tokens a step verifies). Every output element is
+// computed by the same kernel code as in the op-by-op path, so the results are bit-identical whatever the
+// thread count.
 
 class SpinBarrier {
  public:
@@ -121,7 +124,7 @@ bool fits_one_region(const at::Tensor& hidden, at::TensorList weights, at::IntAr
   }
   const at::Tensor& gate_up = weights[4];
   const int64_t I = gate_up.dim() == 2 ? gate_up.size(0) * kGroup / 2 : 0;
-  if (H % 32 || (Hq * D) % 32 || I % kGroup || I == 0) return false;
+  if (H % kBlock || (Hq * D) % kBlock || I % kBlock || I == 0) return false;
   const int64_t K0 = first_input.has_value() ? first_input->size(1) : H;
   if (first_input.has_value() && (first_input->scalar_type() != at::kBFloat16 || !first_input->is_contiguous() ||
                                   first_input->dim() != 2 || first_input->size(0) != T || K0 % 32))
@@ -174,27 +177,45 @@ at::Tensor one_region(at::Tensor& hidden, at::TensorList weights, at::IntArrayRe
                              w[5].data_ptr<uint8_t>()});
   }
   const int64_t units = T * (Hq + Hkv);
+  // The norms' outputs (the qkv and gate/up inputs) and SiLU's (the down input) are quantized once, by the threads
+  // together, each the rows it normalised or the columns it computed, before the barrier the linear waits at
+  // anyway (the o input, which attention tasks write in their own order, is quantized by each thread whole).
+  // (The calling thread's buffers, reused from call to call; named by reference, since inside the parallel
+  // region a thread_local's name would be each thread's own.)
+  thread_local eagle::cpu::QuantX normed_buffer, activated_buffer;
+  eagle::cpu::QuantX &normed = normed_buffer, &activated = activated_buffer;
+  eagle::cpu::quantize_reserve(normed, T, H);
+  eagle::cpu::quantize_reserve(activated, T, I);
   SpinBarrier barrier;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int n = omp_get_num_threads(), tid = omp_get_thread_num();
-    // y [T, N] = x [T, K] @ linear j of layer i, this thread's output groups
+    // y [T, N] = x [T, K] @ linear j of layer i, this thread's output groups; x quantized here, or already in xq
+    auto linear_from = [&](const eagle::cpu::QuantX* xq, int64_t i, int64_t j, int64_t N, BFloat16* y) {
+      const auto [g0, g1] = share(N / kGroup, tid, n);
+      eagle::cpu::linear_q_groups(mats[kLinears * i + j], formats[kLinears * i + j], T, N, g0, g1, y, xq);
+    };
     auto linear = [&](const BFloat16* in, int64_t K, int64_t i, int64_t j, int64_t N, BFloat16* y) {
       eagle::cpu::quantize_activations(in, T, K);
-      const auto [g0, g1] = share(N / kGroup, tid, n);
-      eagle::cpu::linear_q_groups(mats[kLinears * i + j], formats[kLinears * i + j], T, N, g0, g1, y);
+      linear_from(nullptr, i, j, N, y);
+    };
+    const auto [r0, r1] = share(T, tid, n);                      // this thread's rows of the norms
+    const auto [c0, c1] = share(I / kBlock, tid, n);             // its 32-column blocks of the MLP
+    // rms_norm of this thread's rows of x into xp (x added into the residual stream hp first, if `add`), quantized
+    auto norm_rows = [&](const BFloat16* x, const BFloat16* weight, bool add) {
+      eagle::cpu::rms_norm_rows(x + r0 * H, weight, add ? hp + r0 * H : nullptr, xp + r0 * H, r1 - r0, H, eps);
+      eagle::cpu::quantize_part(xp, r0, r1, 0, H / kBlock, normed);
     };
     for (int64_t i = 0; i < L; ++i) {
-      if (tid == 0) {
-        const auto k = std::find(capture.begin(), capture.end(), i) - capture.begin();
-        if (k < static_cast<int64_t>(capture.size())) capture_rows(hp, i ? dp : nullptr, T, H, slots, k, into, width);
-        if (i || !x0) eagle::cpu::rms_norm_rows(i ? dp : hp, norms[2 * i], i ? hp : nullptr, xp, T, H, eps);
-      }
+      const auto k = std::find(capture.begin(), capture.end(), i) - capture.begin();
+      if (k < static_cast<int64_t>(capture.size()))
+        capture_rows(hp + r0 * H, i ? dp + r0 * H : nullptr, r1 - r0, H, slots + r0, k, into, width);
+      if (i || !x0) norm_rows(i ? dp : hp, norms[2 * i], i);
       barrier.wait(n);
       if (i == 0 && x0) {
         linear(x0, K0, i, 0, Nqkv, qkvp);
       } else {
-        linear(xp, H, i, 0, Nqkv, qkvp);
+        linear_from(&normed, i, 0, Nqkv, qkvp);
       }
       barrier.wait(n);
       const auto [u0, u1] = share(units, tid, n);
@@ -206,17 +227,17 @@ at::Tensor one_region(at::Tensor& hidden, at::TensorList weights, at::IntArrayRe
       barrier.wait(n);
       linear(attnp, Hq * D, i, 1, H, op);
       barrier.wait(n);
-      if (tid == 0) eagle::cpu::rms_norm_rows(op, norms[2 * i + 1], hp, xp, T, H, eps);
+      norm_rows(op, norms[2 * i + 1], true);
       barrier.wait(n);
-      eagle::cpu::quantize_activations(xp, T, H);  // gate rows [g0, g1) and the up rows of the same columns
-      const auto [g0, g1] = share(I / kGroup, tid, n);
+      // gate rows of columns [32 c0, 32 c1) and the up rows of the same columns, SiLU over them, quantized
       const uint8_t* w = mats[kLinears * i + 2];
-      const int64_t f = formats[kLinears * i + 2];
-      eagle::cpu::linear_q_groups(w, f, T, 2 * I, g0, g1, gup);
-      eagle::cpu::linear_q_groups(w, f, T, 2 * I, I / kGroup + g0, I / kGroup + g1, gup);
-      eagle::cpu::silu_and_mul_columns(gup, T, I, g0 * kGroup, g1 * kGroup, actp);
+      const int64_t f = formats[kLinears * i + 2], g0 = c0 * kBlock / kGroup, g1 = c1 * kBlock / kGroup;
+      eagle::cpu::linear_q_groups(w, f, T, 2 * I, g0, g1, gup, &normed);
+      eagle::cpu::linear_q_groups(w, f, T, 2 * I, I / kGroup + g0, I / kGroup + g1, gup, &normed);
+      eagle::cpu::silu_and_mul_columns(gup, T, I, c0 * kBlock, c1 * kBlock, actp);
+      eagle::cpu::quantize_part(actp, 0, T, c0, c1, activated);
       barrier.wait(n);
-      linear(actp, I, i, 3, H, dp);
+      linear_from(&activated, i, 3, H, dp);
       barrier.wait(n);
     }
   }

@@ -62,9 +62,23 @@ void silu_and_mul_columns(const at::BFloat16* gate_up, int64_t rows, int64_t I, 
 void rope_write_kv_units(const at::BFloat16* qkv, const float* cos, const float* sin, at::BFloat16* k_cache,
                          at::BFloat16* v_cache, const int64_t* slots, int64_t Hq, int64_t Hkv, int64_t D,
                          at::BFloat16* q, int64_t u0, int64_t u1);
-// linear_q in two steps: x [M, K] quantized into the calling thread's scratch, then the output columns of
-// groups [g0, g1) (16 weight rows each) for every row, into y [M, N] (bf16).
+// x [M, K] quantized as linear_q quantizes its input: int8 q [M, K] in blocks of 32 along K, per row and block
+// the scale d, d * sum(q) (s) and sum(q) [M, K / 32].
+struct QuantX {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> sum;
+  int64_t K = 0, nb = 0;
+};
+// linear_q in two steps: x [M, K] quantized (into the calling thread's scratch, or into `xq` by parts), then the
+// output columns of groups [g0, g1) (16 weight rows each) for every row, into y [M, N] (bf16), from the calling
+// thread's scratch or from `xq`.
 void quantize_activations(const at::BFloat16* x, int64_t M, int64_t K);
-void linear_q_groups(const uint8_t* w, int64_t qtype, int64_t M, int64_t N, int64_t g0, int64_t g1, at::BFloat16* y);
+// Sizes xq for [M, K] (before threads fill it), then rows [r0, r1) x blocks [b0, b1) of x [M, K] into it: the same
+// values quantize_activations gives them, so threads can share one quantization, each filling its part.
+void quantize_reserve(QuantX& xq, int64_t M, int64_t K);
+void quantize_part(const at::BFloat16* x, int64_t r0, int64_t r1, int64_t b0, int64_t b1, QuantX& xq);
+void linear_q_groups(const uint8_t* w, int64_t qtype, int64_t M, int64_t N, int64_t g0, int64_t g1, at::BFloat16* y,
+                     const QuantX* xq = nullptr);
 
 }  // namespace eagle::cpu

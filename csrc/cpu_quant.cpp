@@ -55,15 +55,9 @@ inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(
 template <bool Q4>
 constexpr int64_t group_block_bytes() { return Q4 ? 320 : 544; }  // 16 rows x (20 | 34)
 
-// x quantized: q [M, K] int8, d, s [M, nb] fp32, sum [M, nb] int32. Kept per calling thread between calls.
-struct QuantX {
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  std::vector<int32_t> sum;
-  int64_t K = 0, nb = 0;
-};
+using eagle::cpu::QuantX;  // x quantized: q [M, K] int8, d, s [M, nb] fp32, sum [M, nb] int32
 
-QuantX& scratch() {
+QuantX& scratch() {  // kept per calling thread between calls
   thread_local QuantX x;
   return x;
 }
@@ -140,25 +134,33 @@ EAGLE_AVX2 void quantize_block(const T* x, int8_t* q, float* d, float* s, int32_
 }
 #endif
 
-template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, QuantX& out) {
+void reserve(QuantX& out, int64_t M, int64_t K) {
   out.K = K;
   out.nb = K / kBlock;
   out.q.resize(M * K);
   out.d.resize(M * out.nb);
   out.s.resize(M * out.nb);
   out.sum.resize(M * out.nb);
-  at::parallel_for(0, M * out.nb, 2048, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
+}
+
+// Blocks [b0, b1) of x's row-major blocks (block b: row b / nb, block b % nb) into out.
+template <typename T>
+void quantize_blocks(const T* x, int64_t b0, int64_t b1, QuantX& out) {
+  for (int64_t b = b0; b < b1; ++b) {
 #if defined(__x86_64__)
-      if (eagle::cpu::has_avx2()) {
-        quantize_block(x + b * kBlock, out.q.data() + b * kBlock, &out.d[b], &out.s[b], &out.sum[b]);
-        continue;
-      }
-#endif
-      quantize_block_scalar(x + b * kBlock, out.q.data() + b * kBlock, &out.d[b], &out.s[b], &out.sum[b]);
+    if (eagle::cpu::has_avx2()) {
+      quantize_block(x + b * kBlock, out.q.data() + b * kBlock, &out.d[b], &out.s[b], &out.sum[b]);
+      continue;
     }
-  });
+#endif
+    quantize_block_scalar(x + b * kBlock, out.q.data() + b * kBlock, &out.d[b], &out.s[b], &out.sum[b]);
+  }
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, QuantX& out) {
+  reserve(out, M, K);
+  at::parallel_for(0, M * out.nb, 2048, [&](int64_t b0, int64_t b1) { quantize_blocks(x, b0, b1, out); });
 }
 
 // ---- one group of 16 weight rows against R x rows (row r: q + r * K, d / s / sum + r * nb) ----
@@ -580,8 +582,15 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype, c10
 
 void quantize_activations(const at::BFloat16* x, int64_t M, int64_t K) { quantize_rows(x, M, K, scratch()); }
 
-void linear_q_groups(const uint8_t* w, int64_t qtype, int64_t M, int64_t N, int64_t g0, int64_t g1, at::BFloat16* y) {
-  const QuantX& xq = scratch();
+void quantize_reserve(QuantX& xq, int64_t M, int64_t K) { reserve(xq, M, K); }
+
+void quantize_part(const at::BFloat16* x, int64_t r0, int64_t r1, int64_t b0, int64_t b1, QuantX& xq) {
+  for (int64_t r = r0; r < r1; ++r) quantize_blocks(x, r * xq.nb + b0, r * xq.nb + b1, xq);
+}
+
+void linear_q_groups(const uint8_t* w, int64_t qtype, int64_t M, int64_t N, int64_t g0, int64_t g1, at::BFloat16* y,
+                     const QuantX* shared) {
+  const QuantX& xq = shared ? *shared : scratch();
   if (qtype == kQ4_1) compute<true>(w, g0, g1, xq, M, N, y);
   else compute<false>(w, g0, g1, xq, M, N, y);
 }
