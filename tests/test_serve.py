@@ -235,7 +235,14 @@ def test_structured_output(server):
     assert streamed == text
     r = chat(server, "Reply with a JSON object giving the city and country of Paris.", max_tokens=48,
              response_format={"type": "json_object"}, n=2, temperature=0.7, seed=3)
-    assert all(isinstance(json.loads(c.message.content), dict) for c in r.choices)
+    # Sampled under `auto`, whose depths follow the machine's timings, an answer may ramble past the cap: then
+    # it must be a prefix of a JSON object (the grammar takes it), else a whole one.
+    for c in r.choices:
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.message.content), dict)
+        else:
+            assert c.finish_reason == "length"
+            assert server.engine.llm.grammars.state(("json", "")).matcher.accept_string(c.message.content)
     r = chat(server, "Make up a US phone number.", max_tokens=16, extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"})
     assert re.fullmatch("[0-9]{3}-[0-9]{4}", r.choices[0].message.content)
     r = chat(server, "Is the sky blue?", max_tokens=8, extra_body={"guided_choice": ["yes", "no"]})
