@@ -447,6 +447,7 @@ def test_the_command_serves_from_the_main_thread_and_stops_on_sigterm():
     streamed answer, SIGTERM -> exit 0; a port already taken -> a one-line error, exit 1."""
     import signal
     import subprocess
+    import tempfile
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
@@ -457,8 +458,9 @@ def test_the_command_serves_from_the_main_thread_and_stops_on_sigterm():
         busy = subprocess.run([sys.executable, "-m", "engine.serve", "--port", str(port), "--threads", "1"], cwd=root,
                               capture_output=True, text=True, timeout=300)
     assert busy.returncode == 1 and busy.stderr.strip().splitlines()[-1].startswith("error: could not serve")
+    log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody reads: the server never blocks writing
     proc = subprocess.Popen([sys.executable, "-m", "engine.serve", "--port", str(port), "--threads", "1",
-                             "--method", "vanilla"], cwd=root, stderr=subprocess.PIPE, text=True)
+                             "--method", "vanilla"], cwd=root, stderr=log, text=True)
     try:
         deadline = time.time() + 300
         while True:
@@ -468,12 +470,19 @@ def test_the_command_serves_from_the_main_thread_and_stops_on_sigterm():
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
-        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
-                                                max_tokens=8, temperature=0, stream=True)
-        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                           timeout=120) as client:  # closed before SIGTERM: no keep-alive for shutdown to wait on
+            stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
+                                                    max_tokens=8, temperature=0, stream=True)
+            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert text
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            code = None
+        log.seek(0)
+        assert code == 0, f"exit {code} after SIGTERM; the server's stderr:\n{log.read()[-3000:]}"
     finally:
         proc.kill()
+        log.close()
