@@ -15,7 +15,8 @@ TORCH_LIBRARY(eagle, m) {
         " Tensor uniforms, Tensor? draft_probs=None) -> (Tensor, Tensor, Tensor)");
   // The first index of each row's maximum (CPU, fp32 [..., V] -> int64 [...]).
   m.def("argmax_rows(Tensor x) -> Tensor");
-  // Greedy acceptance from the target's logits fp32 [B, N, V] -> the summary a verify round's host reads
+  // Greedy acceptance from the target's logits fp32 [B, N, V] (or their argmax int64 [B, N]) -> the summary a
+  // verify round's host reads
   // (int64 [B, 2N + 2]: accepted length, next token, path, tokens on it; CPU).
   m.def("greedy_verdict(Tensor parents, Tensor tokens, Tensor sizes, Tensor logits) -> Tensor");
 }

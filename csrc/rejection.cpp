@@ -288,17 +288,24 @@ at::Tensor argmax_rows_cpu(const at::Tensor& x_in) {
   return out;
 }
 
-// The greedy round's verdict straight from the target's logits fp32 [B, N, V]: accept_greedy_one's descent,
-// taking the argmax (argmax_row) of the nodes it visits only, then what the host reads, int64 [B, 2N + 2]:
+// The greedy round's verdict straight from the target's logits fp32 [B, N, V] (or their argmax, int64 [B, N]):
+// accept_greedy_one's descent, taking the argmax (argmax_row) of the nodes it visits only, then what the host
+// reads, int64 [B, 2N + 2]:
 // accepted length, next token, the path (node ids from the root, -1 padded), the tokens on it (a padded
 // entry repeats the root's). The same values as tree_accept_greedy over argmax_rows' argmax, then the summary.
 at::Tensor greedy_verdict_cpu(const at::Tensor& parents_in, const at::Tensor& tokens_in, const at::Tensor& sizes_in,
                               const at::Tensor& logits_in) {
   check_accept_args(parents_in, tokens_in, sizes_in);
-  check_probs(parents_in, logits_in, "logits");
+  const bool given = logits_in.scalar_type() == at::kLong;  // the argmax of every node, computed already
+  if (given) {
+    check_tensor(logits_in, "target_argmax", at::kLong, {parents_in.size(0), parents_in.size(1)});
+    check_device(parents_in, logits_in, "target_argmax");
+  } else {
+    check_probs(parents_in, logits_in, "logits");
+  }
   const at::Tensor parents = parents_in.contiguous(), tokens = tokens_in.contiguous();
   const at::Tensor sizes = sizes_in.contiguous(), logits = logits_in.contiguous();
-  const int64_t B = parents.size(0), N = parents.size(1), V = logits.size(2), W = 2 * N + 2;
+  const int64_t B = parents.size(0), N = parents.size(1), V = given ? 1 : logits.size(2), W = 2 * N + 2;
   check_tree_values(parents.data_ptr<int32_t>(), sizes.data_ptr<int32_t>(), B, N);
 
   at::Tensor out = at::empty({B, W}, tokens.options());
@@ -306,17 +313,19 @@ at::Tensor greedy_verdict_cpu(const at::Tensor& parents_in, const at::Tensor& to
     for (int64_t b = b0; b < b1; ++b) {
       const int32_t* par = parents.data_ptr<int32_t>() + b * N;
       const int64_t* tok = tokens.data_ptr<int64_t>() + b * N;
-      const float* lg = logits.data_ptr<float>() + b * N * V;
+      const float* lg = given ? nullptr : logits.data_ptr<float>() + b * N * V;
+      const int64_t* top = given ? logits.data_ptr<int64_t>() + b * N : nullptr;
+      auto argmax_at = [&](int32_t c) { return given ? top[c] : argmax_row(lg + c * V, V); };
       int64_t* o = out.data_ptr<int64_t>() + b * W;
       int64_t* path = o + 2;
       int32_t cur = 0, depth = 0;
-      int64_t best = argmax_row(lg, V);
+      int64_t best = argmax_at(0);
       path[0] = 0;
       for (int32_t c = 1; c < sizes.data_ptr<int32_t>()[b]; ++c) {
         if (par[c] == cur && tok[c] == best) {
           cur = c;
           path[++depth] = c;
-          best = argmax_row(lg + c * V, V);
+          best = argmax_at(c);
         }
       }
       for (int64_t j = depth + 1; j < N; ++j) path[j] = -1;

@@ -81,6 +81,41 @@ def embedding_q(ids: torch.Tensor, data: torch.Tensor, qtype: str, dtype: torch.
     return out.reshape(*ids.shape, out.shape[-1])
 
 
+_ARGMAX_OP = has_kernel("argmax_q8", torch.device("cpu"))
+
+
+def argmax_planes(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What argmax_q8 reads of a Q8_0 weight (csrc/cpu_argmax_q.cpp has the layouts): `planes`, each quant's
+    top 5 bits, u = (q + 128) >> 3, beside its block's d (352 bytes a group and block against Q8_0's 544);
+    `rows`, the weight row-major (a row's fp16 d's, then its quants), for the few rows computed exactly; and
+    the largest |d| of each block over all rows. -> (planes uint8 [N / 16, nb * 352], rows uint8 [N, nb * 34],
+    dmax fp32 [nb]): 1.65x the weight's memory."""
+    G = data.shape[0]
+    blocks = data.reshape(G, -1, GROUP * QTYPES["q8_0"][1])                       # [G, nb, 544]
+    nb = blocks.shape[1]
+    d = blocks[..., :32]
+    u = (blocks[..., 32:].contiguous().view(torch.int8).reshape(G, nb, 8, GROUP * 4).int() + 128) >> 3
+    low = (u & 15).to(torch.uint8)                                                 # [G, nb, sub-block j, 64]
+    nibbles = low[:, :, :4] | (low[:, :, 4:] << 4)                                 # sub-block j + 4 high
+    bits = (u >> 4).to(torch.uint8).reshape(G, nb, 8, 8, 8)                        # mask j, byte k, bit t
+    masks = (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)  # [G, nb, 8, 8]
+    planes = torch.cat([d, nibbles.reshape(G, nb, -1), masks.reshape(G, nb, -1)], -1).reshape(G, -1).contiguous()
+    dw, _, q = _fields(data, "q8_0")                                               # [N, nb], [N, nb, 32]
+    rows = torch.cat([dw.contiguous().view(torch.uint8), q.to(torch.int8).reshape(len(q), -1).view(torch.uint8)], 1)
+    return planes, rows.contiguous(), dw.float().abs().amax(0).contiguous()
+
+
+def argmax_q8(x: torch.Tensor, data: torch.Tensor, planes: torch.Tensor, rows: torch.Tensor,
+              dmax: torch.Tensor) -> torch.Tensor:
+    """The greedy token of a Q8_0 LM head: x [M, K] -> int64 [M], exactly argmax(linear_q(x, data, "q8_0",
+    float32)) (the first maximum), from argmax_planes' bounds and the exact logits of the few rows they cannot
+    rule out (AVX-512 VNNI; elsewhere that full product)."""
+    if _ARGMAX_OP and x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        return ops().argmax_q8(x, data, planes, rows, dmax)
+    from .sampling import argmax
+    return argmax(linear_q(x, data, "q8_0", torch.float32))
+
+
 # ----------------------------------------------------------------------------- layouts
 
 def _pack(d: torch.Tensor, m: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:

@@ -54,13 +54,15 @@ _GREEDY_VERDICT_CPU = has_kernel("greedy_verdict", torch.device("cpu"))
 
 def greedy_verdict(parents, tokens, sizes, logits) -> torch.Tensor:
     """Greedy verification straight from the target's logits fp32 [B, N, V] (its distribution at each node),
-    in the form the host reads (verdict_summary's). CPU tensors take one C++ op, which also checks the
+    or from their argmax int64 [B, N], in the form the host reads (verdict_summary's). CPU tensors take one C++ op, which also checks the
     arguments and takes the argmax of the nodes the descent visits only: after a forward that streamed the
     weights the host's caches are cold, and each torch op of argmax + tree_accept_greedy + verdict_summary
     (the reference, and the path everywhere else: the same values) cost ~30-50 us there."""
     if _GREEDY_VERDICT_CPU and parents.device.type == "cpu" and not gpu_path(parents):
         return ops().greedy_verdict(parents, tokens, sizes, logits)
     B, N = _check_accept(parents, tokens, sizes)
+    if logits.dtype == torch.int64:
+        return verdict_summary(tokens, *tree_accept_greedy(parents, tokens, sizes, logits))
     check_tensor(logits, "logits", torch.float32, (B, N, None), parents.device)
     if logits.shape[2] < 1:
         raise ValueError("logits must have a non-empty vocabulary (V >= 1)")

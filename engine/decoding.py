@@ -130,9 +130,17 @@ class Decoder:
         B = len(seqs)
         Bp = self.runner.batch_rows(B)
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [1] * B).padded(Bp)
+        if self.greedy_only(seqs):  # the step's tokens straight from the model (Llama.greedy)
+            g = self.runner.graph(self.graphs, ("decode_greedy", Bp), plan, self._decode_greedy, {}, host_ids=True)
+            return Verdict.decoded(g.run(plan, host_ids=[s.last_id for s in seqs])[:B].tolist())
         g = self.runner.graph(self.graphs, ("decode", Bp), plan, self._decode, {}, host_ids=True)
         logits = g.run(plan, host_ids=[s.last_id for s in seqs])
         return self.sampled(seqs, self.sampler.adjust(logits if Bp == B else logits[:B], seqs))
+
+    def greedy_only(self, seqs: list[Sequence]) -> bool:
+        """Whether a step's tokens are the argmax of the target's raw logits for every sequence: greedy, no
+        logprobs asked, nothing that adjusts the logits (then no step needs them all)."""
+        return all(s.params.greedy and s.params.logprobs is None for s in seqs) and not self.sampler.transforms(seqs)
 
     def sampled(self, seqs: list[Sequence], logits: torch.Tensor) -> "Verdict":
         """A token per sequence drawn from logits [B, V] (and its logprobs, where asked), copied to the host."""
@@ -156,11 +164,14 @@ class Decoder:
                                     tokens.index_select(0, rows).flatten(), max(seqs[b].params.logprobs for b in asked))
         return out.view(len(asked), n, -1)
 
-    def _decode(self, g):
+    def _decode(self, g, greedy: bool = False):
         feature, captured = self.model(g.ids, g.positions, self.runner.layers, g.meta, self.capture,
                                        self.capture_into)
         self.store(g.meta.slot_mapping, feature, captured)
-        return self.model.logits(feature)
+        return self.model.greedy(feature) if greedy else self.model.logits(feature)
+
+    def _decode_greedy(self, g):
+        return self._decode(g, greedy=True)
 
     def stats(self) -> dict:
         return {}
@@ -278,8 +289,7 @@ class SpeculativeDecoder(Decoder):
         (_verify_greedy: a graph replay on a GPU). Otherwise the target forward is a step of its own and the
         rest runs eagerly after it: the transforms and sampled rows plan on the host (their parameters, the
         rows that ask), and logprobs need the logits out of the step."""
-        if self.fused and all(s.params.greedy and s.params.logprobs is None for s in seqs) \
-                and not self.sampler.transforms(seqs):
+        if self.fused and self.greedy_only(seqs):
             return self._verify_greedy(seqs, tree), None
         B, N = tree.tokens.shape
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [N] * B)
@@ -325,8 +335,8 @@ class SpeculativeDecoder(Decoder):
         Bp, N = ids.shape
         tree = Tree(ids, parents, g.inputs["depths"], None, sizes)
         meta = g.meta if self.causal else dataclasses.replace(g.meta, tree_mask=tree.mask())
-        logits = self._target_over(ids, tree.depths, meta).view(Bp, N, -1)                  # [Bp, N, V]
-        summary = eagle_kernels.greedy_verdict(parents, ids, sizes, logits)                 # [Bp, 2N + 2]
+        target = self._target_over(ids, tree.depths, meta, greedy=True).view(Bp, N)          # argmax [Bp, N]
+        summary = eagle_kernels.greedy_verdict(parents, ids, sizes, target)                 # [Bp, 2N + 2]
         if not self.causal:
             self.keep_path(meta.slot_mapping.view(Bp, N), summary[:, 2:N + 2])
         return summary
@@ -334,13 +344,14 @@ class SpeculativeDecoder(Decoder):
     def _verify_fn(self, g):
         return self._target_over(g.inputs["ids"], g.inputs["depths"], g.meta)
 
-    def _target_over(self, ids, depths, meta):
-        """The target over the trees ids, depths [B, N] (what `store` keeps written) -> logits [B * N, V]."""
+    def _target_over(self, ids, depths, meta, greedy: bool = False):
+        """The target over the trees ids, depths [B, N] (what `store` keeps written) -> logits [B * N, V] (greedy:
+        their argmax [B * N])."""
         rope = meta.prefix_lens[:, None] + depths                                           # [B, N]
         feature, captured = self.model(ids.flatten(), rope.flatten(), self.runner.layers, meta,
                                        self.capture, self.capture_into)
         self.store(meta.slot_mapping, feature, captured)
-        return self.model.logits(feature)
+        return self.model.greedy(feature) if greedy else self.model.logits(feature)
 
     def accept(self, seqs, tree: Tree, logits, draft_probs):
         """Greedy rows accept while the draft equals the target's argmax; sampled rows by tree rejection

@@ -164,6 +164,133 @@ def test_linear_q_bad_arguments():
         eagle_kernels._ops.ops().linear_q(x, data, 5)
 
 
+# ----------------------------------------------------------------------------- argmax_q8 (greedy LM heads)
+
+def _argmax_ref(x, data):
+    return eagle_kernels.argmax(eagle_kernels.linear_q(x, data, "q8_0", torch.float32))
+
+
+def _negative_scales(data, gen):
+    """The same weights with d and q negated in about half the (row, block)s (quantize's d are never negative,
+    a GGUF's may be): the logits keep their values, the bounds take the other side of each such block."""
+    d, _, q = quant._fields(data, "q8_0")
+    flip = torch.rand(d.shape, generator=gen) < 0.5
+    return quant._pack(torch.where(flip, -d, d), None, torch.where(flip[..., None], -q, q))
+
+
+def test_argmax_planes_hold_the_top_five_bits():
+    gen = torch.Generator().manual_seed(5)
+    data = quant.quantize(random_weight(64, 96, gen), "q8_0")
+    planes, rows, dmax = quant.argmax_planes(data)
+    d, _, q = quant._fields(data, "q8_0")                                           # q: [N, nb, 32]
+    G, nb = 4, 3
+    p = planes.reshape(G, nb, 352)
+    nib = p[..., 32:288].reshape(G, nb, 4, 16, 4).int()
+    low = torch.cat([nib & 15, nib >> 4], 2)                                         # [G, nb, 8, row, 4]
+    masks = p[..., 288:].reshape(G, nb, 8, 8).int()
+    bit4 = ((masks[..., None] >> torch.arange(8)) & 1).reshape(G, nb, 8, 16, 4)
+    u = (low + 16 * bit4).permute(0, 3, 1, 2, 4).reshape(64, nb, 32)
+    assert torch.equal(u, (q + 128) >> 3)
+    assert torch.equal(p[..., :32].contiguous().view(torch.float16).transpose(1, 2).reshape(64, nb), d)
+    assert torch.equal(dmax, d.float().abs().amax(0))
+    assert torch.equal(rows[:, :6].contiguous().view(torch.float16), d)
+    assert torch.equal(rows[:, 6:].view(torch.int8).reshape(64, nb, 32).int(), q)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_argmax_q8_is_the_argmax_of_the_logits(seed):
+    """Random shapes and scales, 1-9 rows: the index argmax_rows picks from linear_q's fp32 logits."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    N = 16 * int(torch.randint(1, 160, (), generator=gen))
+    K = 32 * int(torch.randint(1, 20, (), generator=gen))
+    M = int(torch.randint(1, 10, (), generator=gen))
+    data = quant.quantize(random_weight(N, K, gen), "q8_0")
+    if seed % 2:
+        data = _negative_scales(data, gen)
+    parts = quant.argmax_planes(data)
+    x = (torch.randn(M, K, generator=gen) * (0.1 + 5 * torch.rand(M, 1, generator=gen))).bfloat16()
+    assert torch.equal(quant.argmax_q8(x, data, *parts), _argmax_ref(x, data))
+
+
+def test_argmax_q8_ties_and_crowds():
+    """Equal maxima go to the lowest index; hundreds of rows within the bounds' slack of the maximum (each
+    differing from one row in a few low bits) are all told apart exactly."""
+    gen = torch.Generator().manual_seed(7)
+    N, K = 1024, 256
+    base = torch.randn(K, generator=gen)
+    w = base + 0.004 * torch.randn(N, K, generator=gen)                   # a crowd of near-copies
+    w[700] = w[300]
+    data = quant.quantize(w, "q8_0")
+    x = torch.stack([base, -base, torch.randn(K, generator=gen)]).bfloat16()
+    got = quant.argmax_q8(x, data, *quant.argmax_planes(data))
+    assert torch.equal(got, _argmax_ref(x, data))
+    flipped = _negative_scales(data, gen)
+    assert torch.equal(quant.argmax_q8(x, flipped, *quant.argmax_planes(flipped)), got)
+    twin = data.clone()                                                   # the winner's row copied lower down
+    win = int(got[0])
+    low = (win // 16) * 16 + (1 if win % 16 == 0 else 0)
+    if low != win:
+        d, _, q = quant._fields(data, "q8_0")
+        d[low], q[low] = d[win], q[win]
+        twin = quant._pack(d, None, q)
+        assert int(quant.argmax_q8(x[:1], twin, *quant.argmax_planes(twin))) == min(low, win) == int(_argmax_ref(x[:1], twin))
+
+
+def test_argmax_q8_non_finite():
+    """A non-finite x or scale takes every logit (argmax_rows' rule: a NaN is the maximum)."""
+    gen = torch.Generator().manual_seed(9)
+    data = quant.quantize(random_weight(64, 64, gen), "q8_0")
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    x[1, 5] = float("inf")
+    x[2, 7] = float("nan")
+    assert torch.equal(quant.argmax_q8(x, data, *quant.argmax_planes(data)), _argmax_ref(x, data))
+    d, _, q = quant._fields(data, "q8_0")
+    d[37, 1] = float("inf")
+    bad = quant._pack(d, None, q)
+    assert torch.equal(quant.argmax_q8(x, bad, *quant.argmax_planes(bad)), _argmax_ref(x, bad))
+
+
+def test_argmax_q8_bad_arguments():
+    data = quant.quantize(torch.randn(32, 64), "q8_0")
+    planes, rows, dmax = quant.argmax_planes(data)
+    x = torch.randn(2, 64).bfloat16()
+    op = eagle_kernels._ops.ops().argmax_q8
+    with pytest.raises(ValueError, match="planes"):
+        op(x, data, planes[:1].contiguous(), rows, dmax)
+    with pytest.raises(ValueError, match="rows"):
+        op(x, data, planes, rows[:16].contiguous(), dmax)
+    with pytest.raises(ValueError, match="dmax"):
+        op(x, data, planes, rows, dmax[:1].contiguous())
+    with pytest.raises(ValueError, match="w must"):
+        op(torch.randn(2, 96).bfloat16(), data, planes, rows, dmax)
+    with pytest.raises(ValueError, match="bf16"):
+        op(x.float(), data, planes, rows, dmax)
+    assert torch.equal(quant.argmax_q8(x.float(), data, planes, rows, dmax), _argmax_ref(x.float(), data))
+
+
+_ARGMAX_SCRIPT = """
+import sys, torch
+from eagle_kernels import quant
+gen = torch.Generator().manual_seed(4)
+out = []
+for M, K, N in ((1, 576, 4096), (3, 192, 800), (8, 64, 48)):
+    data = quant.quantize(torch.randn(N, K, generator=gen) * 0.05, "q8_0")
+    out.append(quant.argmax_q8(torch.randn(M, K, generator=gen).bfloat16() * 4, data, *quant.argmax_planes(data)))
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_argmax_q8_same_on_every_instruction_set(tmp_path):
+    """The bounds' path (AVX-512 VNNI) and the full product (EAGLE_CPU_AVX512=0) pick the same tokens."""
+    results = []
+    for i, flags in enumerate(({}, {"EAGLE_CPU_AVX512": "0"})):
+        out = tmp_path / f"out{i}.pt"
+        env = {k: v for k, v in os.environ.items() if k not in ("EAGLE_CPU_AMX", "EAGLE_CPU_AVX512")}
+        subprocess.run([sys.executable, "-c", _ARGMAX_SCRIPT, str(out)], check=True, env={**env, **flags})
+        results.append(torch.load(out))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 # ----------------------------------------------------------------------------- the loader's formats
 
 def _linears(model):
@@ -189,6 +316,11 @@ def test_loader_weight_formats():
     q8, _, _ = load_model("smollm2-135m", torch.bfloat16, weights="q8_0")
     assert {qtype for _, qtype in _linears(q8).values()} == {"q8_0"}
     assert isinstance(q8.layers[0].mlp.down_proj, QLinear)
+    # a greedy step's tokens from the tied Q8_0 LM head (argmax_q8) are the logits' argmax, on hidden states
+    # of the model's own final norm (the real logit spread, where a few rows crowd the maximum)
+    emb = auto.embed_tokens(torch.arange(0, 49152, 97))
+    feature = auto.norm(emb + auto.embed_tokens(torch.arange(5, 49152, 97)))
+    assert torch.equal(auto.greedy(feature), eagle_kernels.argmax(auto.logits(feature)))
 
 
 def test_loader_weights_errors():

@@ -101,6 +101,7 @@ def test_greedy_verdict_matches_accept_then_summary(B, N, V):
     got = greedy_verdict(**tree, logits=logits)
     assert got.dtype == torch.int64 and torch.equal(got, want), (got.tolist(), want.tolist())
     assert rejection._GREEDY_VERDICT_CPU  # the C++ op ran, not the reference composition
+    assert torch.equal(greedy_verdict(**tree, logits=argmax(logits)), want)  # the argmax given (Llama.greedy's)
     if N > 1 and B > 1:
         assert want[:, 0].max() > 0  # some drafts accepted
 
@@ -114,6 +115,7 @@ def test_greedy_verdict_bad_arguments_raise_value_error():
         r"logits must be \[B, N, V\] with V >= 1": dict(logits=logits[..., :0]),
         r"logits must have shape \[2, 4, 8\]": dict(logits=logits[:, :3]),
         r"tokens must have shape \[2, 4\]": dict(tokens=case["tokens"][:1]),
+        r"target_argmax must have shape \[2, 4\]": dict(logits=argmax(logits)[:, :3]),
         "breaks BFS order": dict(parents=torch.tensor([[-1, 0, 3, 1]] * 2, dtype=torch.int32)),
     }
     for message, change in bad.items():

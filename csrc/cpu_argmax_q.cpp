@@ -1,0 +1,309 @@
+// The greedy token of a Q8_0 LM head, argmax_n (x @ dequant(w)^T)[m, n], without reading all of w: exact (the
+// index argmax_rows picks from linear_q's fp32 logits) from ~65% of the bytes.
+//
+// Why: a CPU decode step streams every weight from DRAM, and a tied 49k x 576 Q8_0 LM head is ~30 MB of the
+// ~96 MB a step of SmolLM2 reads; a greedy step needs the largest logit, not all of them.
+//
+// How: each quant q (int8) is split as q = 8 (u - 16) + l, u = (q + 128) >> 3 in 0..31, l = (q + 128) & 7 in
+// 0..7. `planes` hold u only (5 bits), in linear_q's groups of 16 rows: per group and block, the 16 fp16 d's
+// (32 bytes), u's low 4 bits as Q4_1's nibbles (256 bytes: chunk j holds sub-block j low, j + 4 high), and u's
+// bit 4 as 8 masks of 64 bits (mask j: bit 4r + i for row r, weight 4j + i): 352 bytes against Q8_0's 544.
+// With x quantized as linear_q quantizes it (xd, xq per block), a block's integer sum is
+// sum(q xq) = 8 sum(u xq) - 128 sum(xq) + sum(l xq), and sum(l xq) lies in [7 neg, 7 pos] (neg, pos: the sums
+// of the block's negative and positive xq), so
+//   ub[m, n] = the fp32 chain of (dw xd)_b * (8 U_b - 128 S_b + 7 (dw < 0 ? neg_b : pos_b)) over the blocks
+// bounds the logit from above, up to fp32 rounding, which `margin` covers (both chains' roundings: each term
+// at most dmax_b xd_b 384 sum|xq_b| in size, dmax_b the largest |d| of block b over all rows; (nb + 2) 2^-21
+// of their sum, 4x the first-order bound). Then per x row: the exact logits (linear_q's own chain, in its
+// order: the same fp32 values) of the 8 rows with the largest bounds give a threshold T (the largest bound
+// alone misses the argmax about a quarter of the time on SmolLM2, and then lets in thousands of rows), and
+// every other row whose bound reaches T - margin is computed exactly; the largest logit, the lowest index
+// among equals, wins. Exact logits read `rows`, the weight row-major (per row its nb fp16 d's, then its
+// quants): a candidate costs 612 contiguous bytes there against a whole 9.8 KB group in linear_q's layout.
+// A row with a non-finite value (x, a bound, a logit) takes linear_q and argmax_rows' rule (a NaN is the
+// maximum).
+//
+// The bound pass needs AVX-512 VNNI (the masks); elsewhere the op is linear_q + argmax (the same result).
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_ops.h"
+#include "cpu_vec.h"
+
+#if defined(__x86_64__)
+#define EAGLE_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32, kGroup = 16, kQ8Bytes = 544, kPlaneBytes = 352, kRowBlockBytes = 34;
+constexpr int kLeads = 8;
+
+bool use_vnni() {
+#if defined(__x86_64__)
+  static const bool ok = eagle::cpu::use_avx512() && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+at::Tensor full_argmax(const at::Tensor& x, const at::Tensor& w) {
+  return std::get<1>(at::max(eagle::cpu::linear_q(x, w, 8, at::kFloat), -1));
+}
+
+#if defined(__x86_64__)
+// x quantized, with what the bounds add per row and block: 7 pos - 128 S and 7 neg - 128 S.
+struct Rows {
+  eagle::cpu::QuantX xq;
+  std::vector<int32_t> up, down;
+};
+
+// Row n's logit for x row r (xq, xd, sum: its blocks), linear_q's Q8_0 chain: acc = fma(dw_b * xd_b, isum_b, acc).
+EAGLE_AVX512_VNNI float exact_logit(const uint8_t* rows, int64_t n, const int8_t* xq, const float* xd,
+                                    const int32_t* sum, int64_t nb) {
+  const uint8_t* row = rows + n * nb * kRowBlockBytes;
+  const uint8_t* q = row + 2 * nb;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i qu = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock)), flip);
+    const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qu,
+                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock)));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    const int32_t isum = _mm_cvtsi128_si32(s) - 128 * sum[b];  // the quants were shifted by +128
+    uint16_t dbits;
+    std::memcpy(&dbits, row + 2 * b, 2);
+    acc = std::fma(static_cast<float>(c10::Half(dbits, c10::Half::from_bits())) * xd[b], static_cast<float>(isum), acc);
+  }
+  return acc;
+}
+
+// The bounds of group g and the group `gap` after it (G = 2: two DRAM streams, as linear_q's decode kernel) for
+// x rows m0 .. m0 + R - 1, into ub [M, N].
+template <int R, int G>
+EAGLE_AVX512_VNNI void bound_groups(const uint8_t* planes, int64_t group_bytes, int64_t g, int64_t gap,
+                                    const Rows& x, int64_t m0, float* ub, int64_t N) {
+  const int64_t nb = x.xq.nb, K = x.xq.K;
+  __m512 acc[G][R];
+  for (int i = 0; i < G; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+  const __m512i nib = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk[G];
+    for (int i = 0; i < G; ++i) {
+      blk[i] = planes + (g + i * gap) * group_bytes + b * kPlaneBytes;
+      for (int64_t o = 0; o < kPlaneBytes; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk[i] + 8 * kPlaneBytes + o), _MM_HINT_T0);
+    }
+    __m512i isum[G][R];
+    for (int i = 0; i < G; ++i)
+      for (int r = 0; r < R; ++r) isum[i][r] = _mm512_setzero_si512();
+    const int8_t* xb = x.xq.q.data() + m0 * K + b * kBlock;
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      __m512i lo[G], hi[G];
+      for (int i = 0; i < G; ++i) {  // u of sub-blocks j and j + 4: the nibble, plus 16 where bit 4 is set
+        const __m512i v = _mm512_loadu_si512(blk[i] + 32 + 64 * j);
+        __mmask64 mlo, mhi;
+        std::memcpy(&mlo, blk[i] + 288 + 8 * j, 8);
+        std::memcpy(&mhi, blk[i] + 288 + 8 * (j + 4), 8);
+        const __m512i l = _mm512_and_si512(v, nib), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        lo[i] = _mm512_mask_add_epi8(l, mlo, l, sixteen);
+        hi[i] = _mm512_mask_add_epi8(h, mhi, h, sixteen);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t a, c;
+        std::memcpy(&a, xb + r * K + 4 * j, 4);
+        std::memcpy(&c, xb + r * K + 16 + 4 * j, 4);
+        const __m512i xa = _mm512_set1_epi32(a), xc = _mm512_set1_epi32(c);
+        for (int i = 0; i < G; ++i) {
+          isum[i][r] = _mm512_dpbusd_epi32(isum[i][r], lo[i], xa);
+          isum[i][r] = _mm512_dpbusd_epi32(isum[i][r], hi[i], xc);
+        }
+      }
+    }
+    for (int i = 0; i < G; ++i) {
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[i])));
+      const __mmask16 negative = _mm512_cmp_ps_mask(dw, _mm512_setzero_ps(), _CMP_LT_OQ);
+      for (int r = 0; r < R; ++r) {
+        const int64_t rb = (m0 + r) * nb + b;
+        const __m512i rest = _mm512_mask_blend_epi32(negative, _mm512_set1_epi32(x.up[rb]), _mm512_set1_epi32(x.down[rb]));
+        const __m512i top = _mm512_add_epi32(_mm512_slli_epi32(isum[i][r], 3), rest);
+        acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(x.xq.d[rb])), _mm512_cvtepi32_ps(top), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(ub + (m0 + r) * N + (g + i * gap) * kGroup, acc[i][r]);
+}
+
+template <int G>
+void bound_panel(const uint8_t* planes, int64_t group_bytes, int64_t g, int64_t gap, const Rows& x, int64_t m0,
+                 int64_t R, float* ub, int64_t N) {
+  switch (R) {
+    case 1: return bound_groups<1, G>(planes, group_bytes, g, gap, x, m0, ub, N);
+    case 2: return bound_groups<2, G>(planes, group_bytes, g, gap, x, m0, ub, N);
+    case 3: return bound_groups<3, G>(planes, group_bytes, g, gap, x, m0, ub, N);
+    default: return bound_groups<4, G>(planes, group_bytes, g, gap, x, m0, ub, N);
+  }
+}
+
+// The kLeads rows with the largest bounds, largest first -> how many (all kLeads when N >= kLeads), or -1 when
+// a bound is not finite.
+EAGLE_AVX512_VNNI int leading_rows(const float* ub, int64_t N, int64_t* lead) {
+  float bound[kLeads];
+  int count = 0;
+  __m512 thr = _mm512_set1_ps(-INFINITY);
+  __mmask16 bad = 0;
+  for (int64_t n = 0; n < N; n += kGroup) {  // N is whole groups
+    const __m512 v = _mm512_loadu_ps(ub + n);
+    bad |= _mm512_cmp_ps_mask(_mm512_mul_ps(v, _mm512_setzero_ps()), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    for (__mmask16 m = _mm512_cmp_ps_mask(v, thr, _CMP_GT_OQ); m; m &= m - 1) {
+      const int64_t i = n + __builtin_ctz(m);
+      if (count == kLeads && !(ub[i] > bound[kLeads - 1])) continue;
+      int at = count < kLeads ? count++ : kLeads - 1;  // insertion, largest bound first
+      for (; at > 0 && bound[at - 1] < ub[i]; --at) lead[at] = lead[at - 1], bound[at] = bound[at - 1];
+      lead[at] = i, bound[at] = ub[i];
+      if (count == kLeads) thr = _mm512_set1_ps(bound[kLeads - 1]);
+    }
+  }
+  return bad ? -1 : count;
+}
+
+// Appends to `out` every n outside `skip` whose bound reaches `floor`.
+EAGLE_AVX512_VNNI void rows_from(const float* ub, int64_t N, float floor, const std::vector<int64_t>& skip,
+                                 std::vector<int64_t>& out) {
+  const __m512 fl = _mm512_set1_ps(floor);
+  for (int64_t n = 0; n < N; n += kGroup)
+    for (__mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(ub + n), fl, _CMP_GE_OQ); m; m &= m - 1) {
+      const int64_t i = n + __builtin_ctz(m);
+      if (std::find(skip.begin(), skip.end(), i) == skip.end()) out.push_back(i);
+    }
+}
+
+// The bounds' path: -> the argmax of each x row, or -1 for a row that needs the full product.
+void argmax_bounded(const at::Tensor& x, const at::Tensor& planes, const at::Tensor& rows, const at::Tensor& dmax,
+                    int64_t* out) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, groups = planes.size(0), N = groups * kGroup;
+  Rows xr;
+  eagle::cpu::quantize_reserve(xr.xq, M, K);
+  eagle::cpu::quantize_part(x.data_ptr<at::BFloat16>(), 0, M, 0, nb, xr.xq);
+  xr.up.resize(M * nb), xr.down.resize(M * nb);
+  std::vector<float> margin(M);
+  const float* dm = dmax.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    double total = 0.0;
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t pos = 0, neg = 0;
+      const int8_t* q = xr.xq.q.data() + m * K + b * kBlock;
+      for (int k = 0; k < kBlock; ++k) (q[k] > 0 ? pos : neg) += q[k];
+      const int64_t rb = m * nb + b;
+      xr.up[rb] = 7 * pos - 128 * xr.xq.sum[rb], xr.down[rb] = 7 * neg - 128 * xr.xq.sum[rb];
+      total += static_cast<double>(dm[b]) * xr.xq.d[rb] * 384.0 * (pos - neg);
+    }
+    margin[m] = static_cast<float>(total * (nb + 2) * std::ldexp(1.0, -21) + 1e-30);
+  }
+  thread_local std::vector<float> bounds;  // kept between calls: no allocation (and its page faults) a step
+  if (static_cast<int64_t>(bounds.size()) < M * N) bounds.resize(M * N);
+  float* ub = bounds.data();
+  const uint8_t* pp = planes.data_ptr<uint8_t>();
+  const int64_t plane_group = nb * kPlaneBytes;
+  at::parallel_for(0, groups, std::max<int64_t>(1, (32 << 10) / plane_group), [&](int64_t g0, int64_t g1) {
+    const int64_t half = (g1 - g0) / 2;  // the range's two halves side by side
+    for (int64_t g = g0; g < g0 + half; ++g)
+      for (int64_t m = 0; m < M; m += 4) bound_panel<2>(pp, plane_group, g, half, xr, m, std::min<int64_t>(4, M - m), ub, N);
+    if ((g1 - g0) % 2)
+      for (int64_t m = 0; m < M; m += 4) bound_panel<1>(pp, plane_group, g1 - 1, 0, xr, m, std::min<int64_t>(4, M - m), ub, N);
+  });
+  const uint8_t* rp = rows.data_ptr<uint8_t>();
+  std::vector<int64_t> leads, candidates;
+  std::vector<float> vals;
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* xq = xr.xq.q.data() + m * K;
+    const float* xd = xr.xq.d.data() + m * nb;
+    const int32_t* sum = xr.xq.sum.data() + m * nb;
+    leads.resize(kLeads);
+    const int count = leading_rows(ub + m * N, N, leads.data());
+    out[m] = -1;
+    if (count < 0 || !std::isfinite(margin[m])) continue;
+    leads.resize(count);
+    int64_t best = -1;
+    float top = 0.f;
+    bool finite = true;
+    auto take = [&](const std::vector<int64_t>& ids) {  // both threads compute the logits, then the maximum
+      vals.resize(ids.size());
+      at::parallel_for(0, static_cast<int64_t>(ids.size()), 4, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) vals[i] = exact_logit(rp, ids[i], xq, xd, sum, nb);
+      });
+      for (size_t i = 0; i < ids.size(); ++i) {
+        finite = finite && std::isfinite(vals[i]);
+        if (best < 0 || vals[i] > top || (vals[i] == top && ids[i] < best)) best = ids[i], top = vals[i];
+      }
+    };
+    take(leads);
+    if (!finite) continue;
+    // T - margin in double, then the float at or below it: no row that can reach T is left out
+    candidates.clear();
+    rows_from(ub + m * N, N, std::nextafter(static_cast<float>(static_cast<double>(top) - margin[m]), -INFINITY),
+              leads, candidates);
+    take(candidates);
+    if (finite) out[m] = best;
+  }
+}
+#endif
+
+}  // namespace
+
+// x: bf16 [M, K]; w: Q8_0 [N, K] in linear_q's layout (uint8 [N / 16, K / 32 * 544]); planes: its top 5 bits
+// (uint8 [N / 16, K / 32 * 352]); rows: it row-major (uint8 [N, K / 32 * 34]: a row's fp16 d's, then its
+// quants); dmax: fp32 [K / 32], the largest |d| of each block over the rows (eagle_kernels.quant.argmax_planes).
+// -> int64 [M]: the first maximum of each row of linear_q(x, w, Q8_0, fp32).
+at::Tensor argmax_q8(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& planes, const at::Tensor& rows,
+                     const at::Tensor& dmax) {
+  TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(),
+                    "argmax_q8: x must be a bf16 CPU tensor [M, K]");
+  const int64_t M = x_in.size(0), K = x_in.size(1), nb = K / kBlock;
+  TORCH_CHECK_VALUE(K > 0 && K % kBlock == 0, "argmax_q8: K = ", K, " must be a positive multiple of 32");
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu() &&
+                        w.size(1) == nb * kQ8Bytes && w.size(0) > 0,
+                    "argmax_q8: w must be a contiguous uint8 CPU tensor [N / 16, ", nb * kQ8Bytes, "] (Q8_0, K = ", K,
+                    ")");
+  const int64_t groups = w.size(0), N = groups * kGroup;
+  TORCH_CHECK_VALUE(planes.dim() == 2 && planes.scalar_type() == at::kByte && planes.is_contiguous() &&
+                        planes.device().is_cpu() && planes.size(0) == groups && planes.size(1) == nb * kPlaneBytes,
+                    "argmax_q8: planes must be a contiguous uint8 CPU tensor [", groups, ", ", nb * kPlaneBytes, "]");
+  TORCH_CHECK_VALUE(rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.is_contiguous() &&
+                        rows.device().is_cpu() && rows.size(0) == N && rows.size(1) == nb * kRowBlockBytes,
+                    "argmax_q8: rows must be a contiguous uint8 CPU tensor [", N, ", ", nb * kRowBlockBytes, "]");
+  TORCH_CHECK_VALUE(dmax.dim() == 1 && dmax.scalar_type() == at::kFloat && dmax.is_contiguous() &&
+                        dmax.device().is_cpu() && dmax.size(0) == nb,
+                    "argmax_q8: dmax must be a contiguous fp32 CPU tensor [", nb, "]");
+  if (M == 0 || !use_vnni()) return M == 0 ? at::empty({0}, x_in.options().dtype(at::kLong)) : full_argmax(x_in, w);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+#if defined(__x86_64__)
+  argmax_bounded(x, planes, rows, dmax, o);
+#endif
+  for (int64_t m = 0; m < M; ++m)  // rows with a non-finite value
+    if (o[m] < 0) o[m] = full_argmax(x.narrow(0, m, 1), w).item<int64_t>();
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(eagle, m) {
+  m.def("argmax_q8(Tensor x, Tensor w, Tensor planes, Tensor rows, Tensor dmax) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(eagle, CPU, m) {
+  m.impl("argmax_q8", &argmax_q8);
+}
