@@ -17,9 +17,10 @@
 // of their sum, 4x the first-order bound). Then per x row: the exact logits (linear_q's own chain, in its
 // order: the same fp32 values) of the 8 rows with the largest bounds give a threshold T (the largest bound
 // alone misses the argmax about a quarter of the time on SmolLM2, and then lets in thousands of rows), and
-// every other row whose bound reaches T - margin is computed exactly; the largest logit, the lowest index
-// among equals, wins. Exact logits read `rows`, the weight row-major (per row its nb fp16 d's, then its
-// quants): a candidate costs 612 contiguous bytes there against a whole 9.8 KB group in linear_q's layout.
+// every other row whose bound reaches T - margin is computed exactly (tens of rows, some hundreds); the
+// largest logit, the lowest index among equals, wins. Exact logits read `rows`, the weight row-major (per row
+// its nb fp16 d's, then its quants): a candidate costs 612 contiguous bytes there against a whole 9.8 KB
+// group in linear_q's layout.
 // A row with a non-finite value (x, a bound, a logit) takes linear_q and argmax_rows' rule (a NaN is the
 // maximum).
 //
@@ -225,40 +226,54 @@ void argmax_bounded(const at::Tensor& x, const at::Tensor& planes, const at::Ten
     if ((g1 - g0) % 2)
       for (int64_t m = 0; m < M; m += 4) bound_panel<1>(pp, plane_group, g1 - 1, 0, xr, m, std::min<int64_t>(4, M - m), ub, N);
   });
+  // Per x row: the exact logits of its leading rows, then of every row whose bound reaches their best - margin.
+  // Each stage's logits for all x rows are computed by both threads, each first requesting the cache lines of
+  // all its rows (612 bytes each, scattered over the weight: latency, not bandwidth, is their cost).
   const uint8_t* rp = rows.data_ptr<uint8_t>();
-  std::vector<int64_t> leads, candidates;
-  std::vector<float> vals;
-  for (int64_t m = 0; m < M; ++m) {
-    const int8_t* xq = xr.xq.q.data() + m * K;
-    const float* xd = xr.xq.d.data() + m * nb;
-    const int32_t* sum = xr.xq.sum.data() + m * nb;
-    leads.resize(kLeads);
-    const int count = leading_rows(ub + m * N, N, leads.data());
-    out[m] = -1;
-    if (count < 0 || !std::isfinite(margin[m])) continue;
-    leads.resize(count);
-    int64_t best = -1;
-    float top = 0.f;
-    bool finite = true;
-    auto take = [&](const std::vector<int64_t>& ids) {  // both threads compute the logits, then the maximum
-      vals.resize(ids.size());
-      at::parallel_for(0, static_cast<int64_t>(ids.size()), 4, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) vals[i] = exact_logit(rp, ids[i], xq, xd, sum, nb);
-      });
-      for (size_t i = 0; i < ids.size(); ++i) {
-        finite = finite && std::isfinite(vals[i]);
-        if (best < 0 || vals[i] > top || (vals[i] == top && ids[i] < best)) best = ids[i], top = vals[i];
+  struct Task {
+    int64_t m, n;
+    float v;
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> best(M, -1), found;
+  std::vector<float> top(M, 0.f);
+  std::vector<char> finite(M, 1);
+  auto run = [&]() {
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 4, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        for (int64_t o = 0; o < nb * kRowBlockBytes; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(rp + tasks[i].n * nb * kRowBlockBytes + o), _MM_HINT_T0);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t m = tasks[i].m;
+        tasks[i].v = exact_logit(rp, tasks[i].n, xr.xq.q.data() + m * K, xr.xq.d.data() + m * nb,
+                                 xr.xq.sum.data() + m * nb, nb);
       }
-    };
-    take(leads);
-    if (!finite) continue;
-    // T - margin in double, then the float at or below it: no row that can reach T is left out
-    candidates.clear();
-    rows_from(ub + m * N, N, std::nextafter(static_cast<float>(static_cast<double>(top) - margin[m]), -INFINITY),
-              leads, candidates);
-    take(candidates);
-    if (finite) out[m] = best;
+    });
+    for (const Task& t : tasks) {
+      finite[t.m] = finite[t.m] && std::isfinite(t.v);
+      if (best[t.m] < 0 || t.v > top[t.m] || (t.v == top[t.m] && t.n < best[t.m])) best[t.m] = t.n, top[t.m] = t.v;
+    }
+  };
+  std::vector<int64_t> leads(M * kLeads);
+  std::vector<int> count(M);
+  for (int64_t m = 0; m < M; ++m) {
+    count[m] = leading_rows(ub + m * N, N, leads.data() + m * kLeads);
+    finite[m] = count[m] >= 0 && std::isfinite(margin[m]);
+    for (int j = 0; finite[m] && j < count[m]; ++j) tasks.push_back({m, leads[m * kLeads + j], 0.f});
   }
+  run();
+  tasks.clear();
+  for (int64_t m = 0; m < M; ++m) {
+    if (!finite[m]) continue;
+    // T - margin in double, then the float at or below it: no row that can reach T is left out
+    const std::vector<int64_t> skip(leads.begin() + m * kLeads, leads.begin() + m * kLeads + count[m]);
+    found.clear();
+    rows_from(ub + m * N, N, std::nextafter(static_cast<float>(static_cast<double>(top[m]) - margin[m]), -INFINITY),
+              skip, found);
+    for (int64_t n : found) tasks.push_back({m, n, 0.f});
+  }
+  run();
+  for (int64_t m = 0; m < M; ++m) out[m] = finite[m] ? best[m] : -1;
 }
 #endif
 
