@@ -172,9 +172,9 @@ EAGLE_AVX512_VNNI int leading_rows(const float* ub, int64_t N, int64_t* lead) {
     for (__mmask16 m = _mm512_cmp_ps_mask(v, thr, _CMP_GT_OQ); m; m &= m - 1) {
       const int64_t i = n + __builtin_ctz(m);
       if (count == kLeads && !(ub[i] > bound[kLeads - 1])) continue;
-      int at = count < kLeads ? count++ : kLeads - 1;  // insertion, largest bound first
-      for (; at > 0 && bound[at - 1] < ub[i]; --at) lead[at] = lead[at - 1], bound[at] = bound[at - 1];
-      lead[at] = i, bound[at] = ub[i];
+      int slot = count < kLeads ? count++ : kLeads - 1;  // insertion, largest bound first
+      for (; slot > 0 && bound[slot - 1] < ub[i]; --slot) lead[slot] = lead[slot - 1], bound[slot] = bound[slot - 1];
+      lead[slot] = i, bound[slot] = ub[i];
       if (count == kLeads) thr = _mm512_set1_ps(bound[kLeads - 1]);
     }
   }
