@@ -13,8 +13,9 @@
 // feeds at least its root pair, its last), prefix_lens [B], block_tables [B, W] as paged_attention's, for the
 // head's cache kv = [k_cache, v_cache]. cos, sin: [P, D] rope tables (rows taken, then widened to fp32). max_levels[b]: the most drafts of
 // sequence b; with a finite log_floor a chain also ends before its first draft whose cumulative log-probability
-// is below it. -> (tokens int64 [B, 1 + N]: the root token then the drafts, as target ids (id + d2t[id]);
-// sizes int32 [B]: 1 + the drafts each sequence keeps; N the most kept).
+// is below it. -> the chains as engine/trees.py's Tree fields: tokens int64 [B, 1 + N] (the root token then the
+// drafts, as target ids: id + d2t[id]), parents and depths int32 [B, 1 + N] (node j: j - 1 and j; padding -1
+// and 0), scores fp32 zeros, sizes int32 [B] (1 + the drafts each sequence keeps; N the most kept).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -92,7 +93,7 @@ void top1_rows(const at::Tensor& logits, float* best, int64_t* top) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> draft_chain(const at::Tensor& features, const at::Tensor& ids,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_chain(const at::Tensor& features, const at::Tensor& ids,
                                                const at::Tensor& positions, const at::Tensor& slot_mapping,
                                                const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                                                const at::Tensor& prefix_lens, at::IntArrayRef max_levels,
@@ -173,9 +174,18 @@ std::tuple<at::Tensor, at::Tensor> draft_chain(const at::Tensor& features, const
     if (!more) break;
   }
   const int64_t N = *std::max_element(lengths.begin(), lengths.end());
-  at::Tensor sizes = at::empty({B}, at::kInt);
-  for (int64_t b = 0; b < B; ++b) sizes.data_ptr<int32_t>()[b] = static_cast<int32_t>(lengths[b] + 1);
-  return {at::stack(at::TensorList(tokens).slice(0, N + 1), 1), sizes};
+  at::Tensor sizes = at::empty({B}, at::kInt), parents = at::empty({B, N + 1}, at::kInt),
+             depths = at::empty({B, N + 1}, at::kInt);
+  for (int64_t b = 0; b < B; ++b) {
+    sizes.data_ptr<int32_t>()[b] = static_cast<int32_t>(lengths[b] + 1);
+    for (int64_t j = 0; j <= N; ++j) {  // node j of a chain is at depth j, its parent j - 1; padding: 0 and -1
+      const int32_t depth = j <= lengths[b] ? static_cast<int32_t>(j) : 0;
+      depths.data_ptr<int32_t>()[b * (N + 1) + j] = depth;
+      parents.data_ptr<int32_t>()[b * (N + 1) + j] = depth - 1;
+    }
+  }
+  return {at::stack(at::TensorList(tokens).slice(0, N + 1), 1), parents, depths, at::zeros({B, N + 1}, at::kFloat),
+          sizes};
 }
 
 }  // namespace
@@ -183,7 +193,8 @@ std::tuple<at::Tensor, at::Tensor> draft_chain(const at::Tensor& features, const
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("draft_chain(Tensor features, Tensor ids, Tensor positions, Tensor slot_mapping, Tensor block_tables,"
         " Tensor cu_seqlens_q, Tensor prefix_lens, int[] max_levels, float log_floor, Tensor[] weights, int[] formats,"
-        " Tensor d2t, float eps, Tensor cos, Tensor sin, Tensor(a!)[] kv, int num_q_heads) -> (Tensor, Tensor)");
+        " Tensor d2t, float eps, Tensor cos, Tensor sin, Tensor(a!)[] kv, int num_q_heads)"
+        " -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {

@@ -36,8 +36,9 @@ def draft_chain(features, ids, positions, slot_mapping, block_tables, cu_seqlens
     (every sequence feeds at least one pair; its last is the chain's root) and prefix_lens int32 [B];
     weights / formats: the head's, named by WEIGHTS / LINEARS (formats: FORMATS values); d2t int64 [Vd];
     cos, sin [P, D] rope tables (rows widened to fp32); kv: the head's [k_cache, v_cache] (written).
-    -> (tokens int64 [B, 1 + N]: the root token, then the drafts as target ids; sizes int32 [B]: 1 + the
-    drafts each sequence keeps)."""
+    -> the chains as a Tree's fields (engine/trees.py): tokens int64 [B, 1 + N] (the root token, then the drafts
+    as target ids), parents and depths int32 [B, 1 + N] (node j: j - 1 and j; padding -1 and 0), scores fp32
+    zeros [B, 1 + N], sizes int32 [B] (1 + the drafts each sequence keeps)."""
     if _ops.CHECKED:
         check_draft_chain(features, ids, positions, slot_mapping, block_tables, cu_seqlens_q, prefix_lens,
                           max_levels, min_prob, weights, formats, d2t, cos, sin, kv, num_q_heads)

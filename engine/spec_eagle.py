@@ -306,14 +306,14 @@ class EagleDecoder(SpeculativeDecoder):
         meta, pos, ids = self.runner.meta(self.plan(seqs, starts, counts), ids=tokens)
         levels = min(depth, policy.verify_tokens - 1)
         with eagle_kernels.unchecked():
-            chains, sizes = eagle_kernels.draft_chain(
+            tree = Tree(*eagle_kernels.draft_chain(
                 self.features, ids, pos, meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q, meta.prefix_lens,
                 [min(levels, c) for c in caps], policy.min_prob, weights, formats, head.d2t, head.cfg.rms_eps,
-                head.rotary.cos, head.rotary.sin, list(self.head_layers[0]), head.cfg.num_heads)
+                head.rotary.cos, head.rotary.sin, list(self.head_layers[0]), head.cfg.num_heads))
         for s, start in zip(seqs, starts):
             s.draft_state.fed = cached_len(s)
             self.blocks.mark_side(s.seq_id, start, s.draft_state.fed)
-        return Tree.chains(chains, sizes)
+        return tree
 
     def _chain_fn(self, g):
         return self.head(g.inputs["ids"], g.inputs["hidden"], g.positions, self.head_layers[0], g.meta)

@@ -11,6 +11,7 @@ import eagle_kernels
 import engine.spec_eagle
 from engine.llm import LLM
 from engine.scheduler import SamplingParams
+from engine.trees import Tree
 from tests.conftest import write_tiny_llama
 from tests.test_speculative_sampling import write_tokenizer
 
@@ -37,7 +38,7 @@ def llm(checkpoint, request):
 
 
 def drafting(llm, args, fused: bool, monkeypatch):
-    """Set the method; -> (the rounds' drafts, as (tokens, sizes), the C++ calls made) as they run."""
+    """Set the method; -> (the rounds' drafts, as (tokens, sizes, parents, depths, scores), the C++ calls made) as they run."""
     llm.set_method("eagle3", args)
     decoder, rounds, calls = llm.decoder, [], []
     if fused:
@@ -59,7 +60,8 @@ def drafting(llm, args, fused: bool, monkeypatch):
 
     def recorded(seqs, depth, caps):
         out = draft(seqs, depth, caps)
-        rounds.append((out.tree.tokens.clone(), out.tree.sizes.clone()))
+        t = out.tree
+        rounds.append((t.tokens.clone(), t.sizes.clone(), t.parents.clone(), t.depths.clone(), t.scores.clone()))
         return out
 
     def counted(*args, **kwargs):
@@ -91,7 +93,7 @@ def test_one_call_drafts_what_the_head_drafts_op_by_op(llm, args, monkeypatch):
     assert len(rounds) == len(reference_rounds)
     for got, want in zip(rounds, reference_rounds):
         assert (got is None) == (want is None)
-        assert got is None or (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])), (got, want)
+        assert got is None or all(torch.equal(a, b) for a, b in zip(got, want)), (got, want)
     assert outputs == reference_outputs
     assert outputs[0] == reference and outputs[1] == reference[0]
     sizes = torch.cat([r[1] for r in rounds if r is not None])
@@ -113,8 +115,11 @@ def test_bad_arguments_get_a_clear_error(llm, monkeypatch):
              "max_levels", "min_prob", "weights", "formats", "d2t", "eps", "cos", "sin", "kv", "num_q_heads")
     good = dict(zip(names, captured[-1]))
     assert good["cu_seqlens_q"].shape[0] == 3
-    tokens, sizes = eagle_kernels.draft_chain(**good)
+    tokens, parents, depths, scores, sizes = eagle_kernels.draft_chain(**good)
     assert tokens.shape[0] == 2 and sizes.dtype == torch.int32 and 1 <= sizes.min() <= sizes.max() <= tokens.shape[1]
+    chains = Tree.chains(tokens, sizes)
+    assert torch.equal(parents, chains.parents) and torch.equal(depths, chains.depths)
+    assert torch.equal(scores, chains.scores)
     w, f = good["weights"], good["formats"]
     empty = good["cu_seqlens_q"].clone()
     empty[1] = 0
