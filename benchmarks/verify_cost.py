@@ -1,7 +1,10 @@
 """What verifying a tree costs: one target forward (+ LM-head logits) over M new tokens, against M = 1 (a decode).
 
     python benchmarks/verify_cost.py [--dtype bfloat16] [--threads 2] [--context 300] [--rows 1 2 4 6 8 16 32]
-        [--plot benchmarks/plots/verify_cost.png] [--device auto|cpu|cuda]
+        [--greedy] [--plot benchmarks/plots/verify_cost.png] [--device auto|cpu|cuda]
+
+--greedy ends each forward with the greedy tokens (Llama.greedy: what greedy decode and verification steps
+take, which a quantized LM head finds without every logit) instead of all the logits (sampling's steps).
 
 A speculative round pays one such forward plus the draft, and yields tau tokens, so this curve decides which
 tree sizes can pay off on a machine: where it stays flat, verification is bandwidth-bound (the weights are read
@@ -22,15 +25,17 @@ from engine.device import DeviceError, add_device_arg, resolve_device
 from engine.llm import DTYPES, LLM
 
 
-def forward_ms(llm: LLM, context: int, rows: list[int], repeats: int, device: torch.device) -> dict[int, float]:
+def forward_ms(llm: LLM, context: int, rows: list[int], repeats: int, device: torch.device,
+               greedy: bool = False) -> dict[int, float]:
     times = {m: [] for m in rows}
+    head = llm.model.greedy if greedy else llm.model.logits
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def once(m: int) -> float:
         sync()
         t0 = time.perf_counter()
         feature, _, _ = seq.forward([list(range(200, 200 + m))])
-        llm.model.logits(feature)
+        head(feature)
         sync()
         dt = time.perf_counter() - t0
         seq.truncate([context])
@@ -55,6 +60,7 @@ def main():
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--greedy", action="store_true", help="the greedy tokens instead of all the logits")
     ap.add_argument("--plot", help="write the curve to this PNG")
     add_device_arg(ap)
     args = ap.parse_args()
@@ -68,8 +74,9 @@ def main():
     if 1 not in args.rows:
         args.rows = [1] + args.rows
     llm = LLM(args.model, args.dtype, device=str(device), threads=args.threads)
-    ms = forward_ms(llm, args.context, args.rows, args.repeats, device)
-    print(f"model={args.model} device={device} dtype={args.dtype} threads={args.threads} context={args.context}")
+    ms = forward_ms(llm, args.context, args.rows, args.repeats, device, args.greedy)
+    print(f"model={args.model} device={device} dtype={args.dtype} threads={args.threads} context={args.context} "
+          f"head={'greedy' if args.greedy else 'logits'}")
     print(f"{'rows':>5s} {'ms':>7s} {'x decode':>9s} {'ms/row':>7s}")
     for m, t in ms.items():
         print(f"{m:5d} {t:7.1f} {t / ms[1]:8.2f}x {t / m:7.2f}")
