@@ -24,7 +24,8 @@
 // A row with a non-finite value (x, a bound, a logit) takes linear_q and argmax_rows' rule (a NaN is the
 // maximum).
 //
-// The bound pass needs AVX-512 VNNI (the masks); elsewhere the op is linear_q + argmax (the same result).
+// The bound pass runs on AVX-512 VNNI (any number of x rows) and AVX2 (one: a decode step); elsewhere the op is
+// linear_q + argmax (the same result).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -57,7 +58,7 @@ bool use_vnni() {
 }
 
 at::Tensor full_argmax(const at::Tensor& x, const at::Tensor& w) {
-  return std::get<1>(at::max(eagle::cpu::linear_q(x, w, 8, at::kFloat), -1));
+  return eagle::cpu::argmax_rows(eagle::cpu::linear_q(x, w, 8, at::kFloat));
 }
 
 #if defined(__x86_64__)
@@ -67,24 +68,24 @@ struct Rows {
   std::vector<int32_t> up, down;
 };
 
-// Row n's logit for x row r (xq, xd, sum: its blocks), linear_q's Q8_0 chain: acc = fma(dw_b * xd_b, isum_b, acc).
-EAGLE_AVX512_VNNI float exact_logit(const uint8_t* rows, int64_t n, const int8_t* xq, const float* xd,
-                                    const int32_t* sum, int64_t nb) {
+// Row n's logit for x row r (xq, xd: its blocks), linear_q's Q8_0 chain: acc = fma(dw_b * xd_b, isum_b, acc).
+EAGLE_AVX2 float exact_logit(const uint8_t* rows, int64_t n, const int8_t* xq, const float* xd, int64_t nb) {
   const uint8_t* row = rows + n * nb * kRowBlockBytes;
   const uint8_t* q = row + 2 * nb;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    const __m256i qu = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock)), flip);
-    const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qu,
-                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock)));
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock));
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+    // |q| as unsigned, x with q's sign: pairs of products up to 2 * 127 * 127, no int16 saturation
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-    const int32_t isum = _mm_cvtsi128_si32(s) - 128 * sum[b];  // the quants were shifted by +128
     uint16_t dbits;
     std::memcpy(&dbits, row + 2 * b, 2);
-    acc = std::fma(static_cast<float>(c10::Half(dbits, c10::Half::from_bits())) * xd[b], static_cast<float>(isum), acc);
+    acc = std::fma(static_cast<float>(c10::Half(dbits, c10::Half::from_bits())) * xd[b],
+                   static_cast<float>(_mm_cvtsi128_si32(s)), acc);
   }
   return acc;
 }
@@ -159,34 +160,83 @@ void bound_panel(const uint8_t* planes, int64_t group_bytes, int64_t g, int64_t 
   }
 }
 
+// AVX2: the group as two halves of 8 rows (a ymm lane per row), one x row. Bit 4 of u comes from its mask as
+// bytes: each of the mask's 4 bytes of a half spread over 8 bytes (vpshufb), tested against 1, 2, .., 128, and
+// 16 where set. The int16 sums hold 4 sub-blocks (4 x 2 x 31 x 127 < 2^15) before widening. Several x rows would
+// unpack each block again (they ran slower than the full product with Zen 5 running AVX2).
+EAGLE_AVX2 inline __m256i plus16(const uint8_t* mask) {  // 32 mask bits -> 32 bytes of 0 / 16
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  int32_t m;
+  std::memcpy(&m, mask, 4);
+  const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(m), spread), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(16));
+}
+
+EAGLE_AVX2 void bound_group_avx2(const uint8_t* planes, int64_t group_bytes, int64_t g, const Rows& x, float* ub) {
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t b = 0; b < x.xq.nb; ++b) {
+    const uint8_t* blk = planes + g * group_bytes + b * kPlaneBytes;
+    for (int64_t o = 0; o < kPlaneBytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * kPlaneBytes + o), _MM_HINT_T0);
+    const int8_t* xb = x.xq.q.data() + b * kBlock;
+    __m256i s16[2][2] = {};  // [half][sub-blocks 0..3 | 4..7]
+    for (int j = 0; j < 4; ++j) {
+      int32_t a, c;
+      std::memcpy(&a, xb + 4 * j, 4);
+      std::memcpy(&c, xb + 16 + 4 * j, 4);
+      const __m256i xa = _mm256_set1_epi32(a), xc = _mm256_set1_epi32(c);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 64 * j + 32 * h));
+        const __m256i lo = _mm256_add_epi8(_mm256_and_si256(v, nib), plus16(blk + 288 + 8 * j + 4 * h));
+        const __m256i hi = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib),
+                                           plus16(blk + 288 + 8 * (j + 4) + 4 * h));
+        s16[h][0] = _mm256_add_epi16(s16[h][0], _mm256_maddubs_epi16(lo, xa));
+        s16[h][1] = _mm256_add_epi16(s16[h][1], _mm256_maddubs_epi16(hi, xc));
+      }
+    }
+    const __m256i up = _mm256_set1_epi32(x.up[b]), down = _mm256_set1_epi32(x.down[b]);
+    const __m256 xd = _mm256_set1_ps(x.xq.d[b]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+      const __m256i negative = _mm256_castps_si256(_mm256_cmp_ps(dw, _mm256_setzero_ps(), _CMP_LT_OQ));
+      const __m256i isum = _mm256_add_epi32(_mm256_madd_epi16(s16[h][0], ones), _mm256_madd_epi16(s16[h][1], ones));
+      const __m256i top = _mm256_add_epi32(_mm256_slli_epi32(isum, 3), _mm256_blendv_epi8(up, down, negative));
+      acc[h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, xd), _mm256_cvtepi32_ps(top), acc[h]);
+    }
+  }
+  for (int h = 0; h < 2; ++h) _mm256_storeu_ps(ub + g * kGroup + 8 * h, acc[h]);
+}
+
 // The kLeads rows with the largest bounds, largest first -> how many (all kLeads when N >= kLeads), or -1 when
 // a bound is not finite.
-EAGLE_AVX512_VNNI int leading_rows(const float* ub, int64_t N, int64_t* lead) {
+EAGLE_AVX2 int leading_rows(const float* ub, int64_t N, int64_t* lead) {
   float bound[kLeads];
   int count = 0;
-  __m512 thr = _mm512_set1_ps(-INFINITY);
-  __mmask16 bad = 0;
-  for (int64_t n = 0; n < N; n += kGroup) {  // N is whole groups
-    const __m512 v = _mm512_loadu_ps(ub + n);
-    bad |= _mm512_cmp_ps_mask(_mm512_mul_ps(v, _mm512_setzero_ps()), _mm512_setzero_ps(), _CMP_NEQ_UQ);
-    for (__mmask16 m = _mm512_cmp_ps_mask(v, thr, _CMP_GT_OQ); m; m &= m - 1) {
+  __m256 thr = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+  for (int64_t n = 0; n < N; n += 8) {  // N is whole groups of 16
+    const __m256 v = _mm256_loadu_ps(ub + n);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_mul_ps(v, _mm256_setzero_ps()), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+    for (int m = _mm256_movemask_ps(_mm256_cmp_ps(v, thr, _CMP_GT_OQ)); m; m &= m - 1) {
       const int64_t i = n + __builtin_ctz(m);
       if (count == kLeads && !(ub[i] > bound[kLeads - 1])) continue;
       int slot = count < kLeads ? count++ : kLeads - 1;  // insertion, largest bound first
       for (; slot > 0 && bound[slot - 1] < ub[i]; --slot) lead[slot] = lead[slot - 1], bound[slot] = bound[slot - 1];
       lead[slot] = i, bound[slot] = ub[i];
-      if (count == kLeads) thr = _mm512_set1_ps(bound[kLeads - 1]);
+      if (count == kLeads) thr = _mm256_set1_ps(bound[kLeads - 1]);
     }
   }
-  return bad ? -1 : count;
+  return _mm256_movemask_ps(bad) ? -1 : count;
 }
 
 // Appends to `out` every n outside `skip` whose bound reaches `floor`.
-EAGLE_AVX512_VNNI void rows_from(const float* ub, int64_t N, float floor, const std::vector<int64_t>& skip,
-                                 std::vector<int64_t>& out) {
-  const __m512 fl = _mm512_set1_ps(floor);
-  for (int64_t n = 0; n < N; n += kGroup)
-    for (__mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(ub + n), fl, _CMP_GE_OQ); m; m &= m - 1) {
+EAGLE_AVX2 void rows_from(const float* ub, int64_t N, float floor, const std::vector<int64_t>& skip,
+                          std::vector<int64_t>& out) {
+  const __m256 fl = _mm256_set1_ps(floor);
+  for (int64_t n = 0; n < N; n += 8)
+    for (int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(ub + n), fl, _CMP_GE_OQ)); m; m &= m - 1) {
       const int64_t i = n + __builtin_ctz(m);
       if (std::find(skip.begin(), skip.end(), i) == skip.end()) out.push_back(i);
     }
@@ -219,7 +269,12 @@ void argmax_bounded(const at::Tensor& x, const at::Tensor& planes, const at::Ten
   float* ub = bounds.data();
   const uint8_t* pp = planes.data_ptr<uint8_t>();
   const int64_t plane_group = nb * kPlaneBytes;
+  const bool vnni = use_vnni();
   at::parallel_for(0, groups, std::max<int64_t>(1, (32 << 10) / plane_group), [&](int64_t g0, int64_t g1) {
+    if (!vnni) {  // one x row (argmax_q8 sends more to the full product)
+      for (int64_t g = g0; g < g1; ++g) bound_group_avx2(pp, plane_group, g, xr, ub);
+      return;
+    }
     const int64_t half = (g1 - g0) / 2;  // the range's two halves side by side
     for (int64_t g = g0; g < g0 + half; ++g)
       for (int64_t m = 0; m < M; m += 4) bound_panel<2>(pp, plane_group, g, half, xr, m, std::min<int64_t>(4, M - m), ub, N);
@@ -245,8 +300,7 @@ void argmax_bounded(const at::Tensor& x, const at::Tensor& planes, const at::Ten
           _mm_prefetch(reinterpret_cast<const char*>(rp + tasks[i].n * nb * kRowBlockBytes + o), _MM_HINT_T0);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t m = tasks[i].m;
-        tasks[i].v = exact_logit(rp, tasks[i].n, xr.xq.q.data() + m * K, xr.xq.d.data() + m * nb,
-                                 xr.xq.sum.data() + m * nb, nb);
+        tasks[i].v = exact_logit(rp, tasks[i].n, xr.xq.q.data() + m * K, xr.xq.d.data() + m * nb, nb);
       }
     });
     for (const Task& t : tasks) {
@@ -303,7 +357,8 @@ at::Tensor argmax_q8(const at::Tensor& x_in, const at::Tensor& w, const at::Tens
   TORCH_CHECK_VALUE(dmax.dim() == 1 && dmax.scalar_type() == at::kFloat && dmax.is_contiguous() &&
                         dmax.device().is_cpu() && dmax.size(0) == nb,
                     "argmax_q8: dmax must be a contiguous fp32 CPU tensor [", nb, "]");
-  if (M == 0 || !use_vnni()) return M == 0 ? at::empty({0}, x_in.options().dtype(at::kLong)) : full_argmax(x_in, w);
+  if (M == 0) return at::empty({0}, x_in.options().dtype(at::kLong));
+  if (!eagle::cpu::has_avx2() || (M > 1 && !use_vnni())) return full_argmax(x_in, w);
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();

@@ -23,6 +23,7 @@ at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& w);
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                     c10::optional<at::ScalarType> out_dtype = c10::nullopt);
 at::Tensor embedding_q(const at::Tensor& ids, const at::Tensor& w, int64_t qtype, at::ScalarType dtype);
+at::Tensor argmax_rows(const at::Tensor& x);  // fp32 [..., V] -> int64 [...]: each row's first maximum (or NaN)
 // The Llama decoder stack in one call (csrc/cpu_decoder.cpp; eagle_kernels/decoder.py has the contract).
 std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
     at::Tensor& hidden, at::TensorList weights, at::IntArrayRef formats, double eps, const at::Tensor& cos,

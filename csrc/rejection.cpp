@@ -339,6 +339,10 @@ at::Tensor greedy_verdict_cpu(const at::Tensor& parents_in, const at::Tensor& to
 
 }  // namespace
 
+namespace cpu {
+at::Tensor argmax_rows(const at::Tensor& x) { return argmax_rows_cpu(x); }
+}  // namespace cpu
+
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {
   m.impl("tree_accept_greedy", &tree_accept_greedy_cpu);
   m.impl("tree_accept_sample", &tree_accept_sample_cpu);
