@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -321,13 +322,44 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
 
 }  // namespace eagle::cpu
 
+namespace {
+
+// decoder_layers' weights, formats and caches held once (eagle_kernels.decoder.bind): a step passes this one object
+// instead of ~240 tensors, whose boxing into the dispatcher's lists cost ~75 us a call with their Python objects
+// cold after the weights' stream (SmolLM2's 30 layers on the Zen 5 box).
+struct DecoderStack : torch::CustomClassHolder {
+  std::vector<at::Tensor> weights, kv;
+  std::vector<int64_t> formats;
+  DecoderStack(std::vector<at::Tensor> weights, std::vector<int64_t> formats, std::vector<at::Tensor> kv)
+      : weights(std::move(weights)), kv(std::move(kv)), formats(std::move(formats)) {}
+};
+
+std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers_bound(
+    at::Tensor& hidden, const c10::intrusive_ptr<DecoderStack>& stack, double eps, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& prefix_lens, const c10::optional<at::Tensor>& tree_mask,
+    int64_t num_q_heads, at::IntArrayRef capture, const c10::optional<at::Tensor>& capture_into) {
+  return eagle::cpu::decoder_layers(hidden, stack->weights, stack->formats, eps, cos, sin, stack->kv, slot_mapping,
+                                    block_tables, cu_seqlens_q, prefix_lens, tree_mask, num_q_heads, capture,
+                                    capture_into, c10::nullopt);
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("decoder_layers(Tensor(a!) hidden, Tensor[] weights, int[] formats, float eps, Tensor cos, Tensor sin,"
         " Tensor(b!)[] kv, Tensor slot_mapping, Tensor block_tables, Tensor cu_seqlens_q, Tensor prefix_lens,"
         " Tensor? tree_mask, int num_q_heads, int[] capture, Tensor(c!)? capture_into, Tensor? first_input=None)"
         " -> (Tensor, Tensor[])");
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>>());
+  // decoder_layers over a bound stack's weights, formats and kv (it writes the caches it holds)
+  m.def("decoder_layers_bound(Tensor(a!) hidden, __torch__.torch.classes.eagle.DecoderStack stack, float eps,"
+        " Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor cu_seqlens_q, Tensor prefix_lens,"
+        " Tensor? tree_mask, int num_q_heads, int[] capture, Tensor(c!)? capture_into) -> (Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {
   m.impl("decoder_layers", &eagle::cpu::decoder_layers);
+  m.impl("decoder_layers_bound", &decoder_layers_bound);
 }

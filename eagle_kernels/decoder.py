@@ -39,6 +39,27 @@ def decoder_layers(hidden, weights, formats, eps, cos, sin, kv, slot_mapping, bl
                                 first_input)
 
 
+def bind(weights, formats, kv):
+    """decoder_layers' weights, formats and caches as one C++ object for decoder_layers_bound: a step then passes
+    it instead of ~240 tensors, whose boxing costs ~75 us a call with their Python objects cold (a 30-layer
+    stack). The object keeps the tensors alive; bind again after replacing any. Each call checks them as
+    decoder_layers does (the op's own checks)."""
+    L = len(kv) // 2
+    if L < 1 or len(kv) != 2 * L or len(weights) != PER_LAYER * L + 1 or len(formats) != 4 * L:
+        raise ValueError(f"decoder_layers: kv must hold 2 caches per layer, weights {PER_LAYER} per layer and the "
+                         f"final norm, formats 4 per layer; got {len(kv)}, {len(weights)}, {len(formats)}")
+    if any(f not in FORMATS.values() for f in formats):
+        raise ValueError(f"decoder_layers: formats must be in {FORMATS}, got {sorted(set(formats))}")
+    return torch.classes.eagle.DecoderStack(list(weights), list(formats), list(kv))
+
+
+def decoder_layers_bound(hidden, stack, eps, cos, sin, slot_mapping, block_tables, cu_seqlens_q, prefix_lens,
+                         tree_mask, num_q_heads: int, capture=(), capture_into=None):
+    """decoder_layers over a bound stack (bind's): the same kernels, the same bits; no first_input."""
+    return ops().decoder_layers_bound(hidden, stack, eps, cos, sin, slot_mapping, block_tables, cu_seqlens_q,
+                                      prefix_lens, tree_mask, num_q_heads, list(capture), capture_into)
+
+
 def check_decoder_layers(hidden, weights, formats, cos, sin, kv, slot_mapping, block_tables, cu_seqlens_q,
                          prefix_lens, tree_mask, num_q_heads, first_input=None):
     """ValueError unless the arguments form a stack decoder_layers can run (shapes chain from layer to layer)."""

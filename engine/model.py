@@ -186,7 +186,7 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg)
-        self.fused, self._stack = True, None  # CPU steps through eagle_kernels.decoder_layers (see stack())
+        self.fused, self._stack, self._bound = True, None, None  # CPU steps: eagle_kernels.decoder_layers (stack())
 
     def forward(self, input_ids, positions, kv_caches, meta: AttnMeta, capture: tuple[int, ...] = (),
                 capture_into: torch.Tensor | None = None):
@@ -198,12 +198,11 @@ class Llama(nn.Module):
         cos, sin = self.rotary(positions, torch.float32)
         delta, captured = None, []
         with eagle_kernels.unchecked():           # every layer's arguments are built here, from meta
-            stack = self.stack() if eagle_kernels.decoder_layers_fit(residual) else None
+            stack = self.bound(kv_caches) if eagle_kernels.decoder_layers_fit(residual) else None
             if stack is not None:                 # the same kernels as the layers below, in one C++ call
-                return eagle_kernels.decoder_layers(
-                    residual, *stack, self.norm.eps, cos, sin, [c for kv in kv_caches for c in kv],
-                    meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q, meta.prefix_lens, meta.tree_mask,
-                    self.cfg.num_heads, capture, capture_into)
+                return eagle_kernels.decoder.decoder_layers_bound(
+                    residual, stack, self.norm.eps, cos, sin, meta.slot_mapping, meta.block_tables,
+                    meta.cu_seqlens_q, meta.prefix_lens, meta.tree_mask, self.cfg.num_heads, capture, capture_into)
             for i, layer in enumerate(self.layers):
                 if i in capture:  # layer i's input: a copy, since the residual keeps changing in place
                     captured.append(residual.clone() if delta is None else residual + delta)
@@ -222,8 +221,20 @@ class Llama(nn.Module):
             self._stack = _stack_of(self.layers, self.norm) or False
         return self._stack or None
 
+    def bound(self, kv_caches):
+        """stack() and kv_caches bound as one object for decoder_layers_bound (eagle_kernels.decoder.bind), kept
+        while the same caches come (a runner passes one list every step), or None where stack() is."""
+        if not self.fused:
+            return None
+        if self._bound is None or self._bound[0] is not kv_caches:
+            stack = self.stack()
+            if stack is None:
+                return None
+            self._bound = kv_caches, eagle_kernels.decoder.bind(*stack, [c for kv in kv_caches for c in kv])
+        return self._bound[1]
+
     def _apply(self, fn, *args, **kwargs):
-        self._stack = None
+        self._stack = self._bound = None
         return super()._apply(fn, *args, **kwargs)
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:

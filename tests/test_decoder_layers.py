@@ -208,6 +208,24 @@ def test_decoder_layers_bad_arguments(checkpoint):
             eagle_kernels.decoder_layers(**args(**change))
     with eagle_kernels.unchecked(), pytest.raises(ValueError, match="outside the cache"):
         eagle_kernels.decoder_layers(**args(slot_mapping=meta.slot_mapping + 10**6))
+    # a bound stack (what the engine passes): the same values and KV, the C++ op's checks on every call
+    bound = lambda **kw: {k: v for k, v in args(**kw).items() if k not in ("weights", "formats", "kv")}
+    before = [c.clone() for c in kv]
+    want = eagle_kernels.decoder_layers(**args())[0]
+    written = [c.clone() for c in kv]
+    for c, b in zip(kv, before):
+        c.copy_(b)
+    stack = eagle_kernels.decoder.bind(weights, formats, kv)
+    assert torch.equal(eagle_kernels.decoder.decoder_layers_bound(stack=stack, **bound())[0], want)
+    assert all(torch.equal(c, w) for c, w in zip(kv, written))
+    with pytest.raises(ValueError, match="6 per layer"):
+        eagle_kernels.decoder.bind(weights[:-1], formats, kv)
+    with pytest.raises(ValueError, match="formats must be in"):
+        eagle_kernels.decoder.bind(weights, [5] + formats[1:], kv)
+    with pytest.raises(ValueError, match="outside the cache"):
+        eagle_kernels.decoder.decoder_layers_bound(stack=stack, **bound(slot_mapping=meta.slot_mapping + 10**6))
+    with pytest.raises(ValueError, match="cos and sin"):
+        eagle_kernels.decoder.decoder_layers_bound(stack=stack, **bound(cos=cos[:1]))
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
