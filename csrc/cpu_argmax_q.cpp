@@ -47,16 +47,6 @@ namespace {
 constexpr int64_t kBlock = 32, kGroup = 16, kQ8Bytes = 544, kPlaneBytes = 352, kRowBlockBytes = 34;
 constexpr int kLeads = 8;
 
-bool use_vnni() {
-#if defined(__x86_64__)
-  static const bool ok = eagle::cpu::use_avx512() && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  return ok;
-#else
-  return false;
-#endif
-}
-
 at::Tensor full_argmax(const at::Tensor& x, const at::Tensor& w) {
   return eagle::cpu::argmax_rows(eagle::cpu::linear_q(x, w, 8, at::kFloat));
 }
@@ -269,7 +259,7 @@ void argmax_bounded(const at::Tensor& x, const at::Tensor& planes, const at::Ten
   float* ub = bounds.data();
   const uint8_t* pp = planes.data_ptr<uint8_t>();
   const int64_t plane_group = nb * kPlaneBytes;
-  const bool vnni = use_vnni();
+  const bool vnni = eagle::cpu::use_avx512_vnni();
   at::parallel_for(0, groups, std::max<int64_t>(1, (32 << 10) / plane_group), [&](int64_t g0, int64_t g1) {
     if (!vnni) {  // one x row (argmax_q8 sends more to the full product)
       for (int64_t g = g0; g < g1; ++g) bound_group_avx2(pp, plane_group, g, xr, ub);
@@ -358,7 +348,7 @@ at::Tensor argmax_q8(const at::Tensor& x_in, const at::Tensor& w, const at::Tens
                         dmax.device().is_cpu() && dmax.size(0) == nb,
                     "argmax_q8: dmax must be a contiguous fp32 CPU tensor [", nb, "]");
   if (M == 0) return at::empty({0}, x_in.options().dtype(at::kLong));
-  if (!eagle::cpu::has_avx2() || (M > 1 && !use_vnni())) return full_argmax(x_in, w);
+  if (!eagle::cpu::has_avx2() || (M > 1 && !eagle::cpu::use_avx512_vnni())) return full_argmax(x_in, w);
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();

@@ -62,15 +62,7 @@ QuantX& scratch() {  // kept per calling thread between calls
   return x;
 }
 
-bool use_avx512() {  // the VNNI kernels
-#if defined(__x86_64__)
-  static const bool ok = eagle::cpu::use_avx512() && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  return ok;
-#else
-  return false;
-#endif
-}
+bool use_avx512() { return eagle::cpu::use_avx512_vnni(); }  // the VNNI kernels
 
 // AMX tiles (Sapphire Rapids and later) for M >= 2 rows, unless EAGLE_CPU_AMX=0 asks for the VNNI kernels (same
 // results). Linux hands the tile registers to a process only on request.

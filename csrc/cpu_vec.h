@@ -47,6 +47,17 @@ inline bool use_avx512() {
   return ok;
 }
 
+// The int8 kernels' AVX-512 VNNI paths (use_avx512() and the BW, VL and VNNI extensions).
+inline bool use_avx512_vnni() {
+#if defined(__x86_64__)
+  static const bool ok = use_avx512() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512vnni");
+  return ok;
+#else
+  return false;
+#endif
+}
+
 #if defined(__x86_64__)
 EAGLE_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 

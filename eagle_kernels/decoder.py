@@ -44,12 +44,7 @@ def bind(weights, formats, kv):
     it instead of ~240 tensors, whose boxing costs ~75 us a call with their Python objects cold (a 30-layer
     stack). The object keeps the tensors alive; bind again after replacing any. Each call checks them as
     decoder_layers does (the op's own checks)."""
-    L = len(kv) // 2
-    if L < 1 or len(kv) != 2 * L or len(weights) != PER_LAYER * L + 1 or len(formats) != 4 * L:
-        raise ValueError(f"decoder_layers: kv must hold 2 caches per layer, weights {PER_LAYER} per layer and the "
-                         f"final norm, formats 4 per layer; got {len(kv)}, {len(weights)}, {len(formats)}")
-    if any(f not in FORMATS.values() for f in formats):
-        raise ValueError(f"decoder_layers: formats must be in {FORMATS}, got {sorted(set(formats))}")
+    _check_lengths(weights, formats, kv)
     return torch.classes.eagle.DecoderStack(list(weights), list(formats), list(kv))
 
 
@@ -66,12 +61,7 @@ def check_decoder_layers(hidden, weights, formats, cos, sin, kv, slot_mapping, b
     if not (isinstance(hidden, torch.Tensor) and hidden.dtype == torch.bfloat16 and hidden.dim() == 2
             and hidden.is_contiguous() and hidden.device.type == "cpu"):
         raise ValueError("decoder_layers: hidden must be a contiguous bf16 CPU tensor [T, H]")
-    L = len(kv) // 2
-    if L < 1 or len(kv) != 2 * L or len(weights) != PER_LAYER * L + 1 or len(formats) != 4 * L:
-        raise ValueError(f"decoder_layers: kv must hold 2 caches per layer, weights {PER_LAYER} per layer and the "
-                         f"final norm, formats 4 per layer; got {len(kv)}, {len(weights)}, {len(formats)}")
-    if any(f not in FORMATS.values() for f in formats):
-        raise ValueError(f"decoder_layers: formats must be in {FORMATS}, got {sorted(set(formats))}")
+    L = _check_lengths(weights, formats, kv)
     T, H = hidden.shape
     if first_input is not None and not (
             isinstance(first_input, torch.Tensor) and first_input.dtype == torch.bfloat16 and first_input.dim() == 2
@@ -94,6 +84,18 @@ def check_decoder_layers(hidden, weights, formats, cos, sin, kv, slot_mapping, b
                                  slot_mapping, num_q_heads)
         check_paged_attention_cpu(q, kv[2 * i], kv[2 * i + 1], block_tables, cu_seqlens_q, prefix_lens, tree_mask)
     check_rms_norm(hidden, weights[-1])
+
+
+def _check_lengths(weights, formats, kv) -> int:
+    """-> the layers L; ValueError unless kv holds 2 caches a layer, weights 6 a layer and the final norm, formats
+    4 a layer, each one of FORMATS."""
+    L = len(kv) // 2
+    if L < 1 or len(kv) != 2 * L or len(weights) != PER_LAYER * L + 1 or len(formats) != 4 * L:
+        raise ValueError(f"decoder_layers: kv must hold 2 caches per layer, weights {PER_LAYER} per layer and the "
+                         f"final norm, formats 4 per layer; got {len(kv)}, {len(weights)}, {len(formats)}")
+    if any(f not in FORMATS.values() for f in formats):
+        raise ValueError(f"decoder_layers: formats must be in {FORMATS}, got {sorted(set(formats))}")
+    return L
 
 
 def _out_features(weight, fmt: int, K: int) -> int:
