@@ -132,7 +132,8 @@ EAGLE_AVX512_VNNI void bound_groups(const uint8_t* planes, int64_t group_bytes, 
       const __mmask16 negative = _mm512_cmp_ps_mask(dw, _mm512_setzero_ps(), _CMP_LT_OQ);
       for (int r = 0; r < R; ++r) {
         const int64_t rb = (m0 + r) * nb + b;
-        const __m512i rest = _mm512_mask_blend_epi32(negative, _mm512_set1_epi32(x.up[rb]), _mm512_set1_epi32(x.down[rb]));
+        const __m512i rest =
+            _mm512_mask_blend_epi32(negative, _mm512_set1_epi32(x.up[rb]), _mm512_set1_epi32(x.down[rb]));
         const __m512i top = _mm512_add_epi32(_mm512_slli_epi32(isum[i][r], 3), rest);
         acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(x.xq.d[rb])), _mm512_cvtepi32_ps(top), acc[i][r]);
       }
@@ -270,9 +271,11 @@ void argmax_bounded(const at::Tensor& x, const at::Tensor& planes, const at::Ten
     }
     const int64_t half = (g1 - g0) / 2;  // the range's two halves side by side
     for (int64_t g = g0; g < g0 + half; ++g)
-      for (int64_t m = 0; m < M; m += 4) bound_panel<2>(pp, plane_group, g, half, xr, m, std::min<int64_t>(4, M - m), ub, N);
+      for (int64_t m = 0; m < M; m += 4)
+        bound_panel<2>(pp, plane_group, g, half, xr, m, std::min<int64_t>(4, M - m), ub, N);
     if ((g1 - g0) % 2)
-      for (int64_t m = 0; m < M; m += 4) bound_panel<1>(pp, plane_group, g1 - 1, 0, xr, m, std::min<int64_t>(4, M - m), ub, N);
+      for (int64_t m = 0; m < M; m += 4)
+        bound_panel<1>(pp, plane_group, g1 - 1, 0, xr, m, std::min<int64_t>(4, M - m), ub, N);
   });
   // Per x row: the exact logits of its leading rows, then of every row whose bound reaches their best - margin.
   // Each stage's logits for all x rows are computed by both threads, each first requesting the cache lines of
