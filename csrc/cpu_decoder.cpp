@@ -324,24 +324,37 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
 
 namespace {
 
-// decoder_layers' weights, formats and caches held once (eagle_kernels.decoder.bind): a step passes this one object
-// instead of ~240 tensors, whose boxing into the dispatcher's lists cost ~75 us a call with their Python objects
-// cold after the weights' stream (SmolLM2's 30 layers on the Zen 5 box).
+// A model's decoder stack held once (eagle_kernels.decoder.bind): the layers' weights and formats, the KV caches,
+// the embedding table (format 0: bf16 rows; 3 / 8: Q4_1 / Q8_0 blocks, rows dequantized to bf16) and the fp32
+// rope tables [P, D]. A step passes this one object and its token ids and positions instead of ~240 tensors,
+// whose boxing cost ~75 us a call with their Python objects cold after the weights' stream (SmolLM2's 30
+// layers on the Zen 5 box), and the embedding and rope rows come without two more ops' dispatch.
 struct DecoderStack : torch::CustomClassHolder {
   std::vector<at::Tensor> weights, kv;
   std::vector<int64_t> formats;
-  DecoderStack(std::vector<at::Tensor> weights, std::vector<int64_t> formats, std::vector<at::Tensor> kv)
-      : weights(std::move(weights)), kv(std::move(kv)), formats(std::move(formats)) {}
+  at::Tensor embed, cos, sin;
+  int64_t embed_format;
+  DecoderStack(std::vector<at::Tensor> weights, std::vector<int64_t> formats, std::vector<at::Tensor> kv,
+               at::Tensor embed, int64_t embed_format, at::Tensor cos, at::Tensor sin)
+      : weights(std::move(weights)), kv(std::move(kv)), formats(std::move(formats)), embed(std::move(embed)),
+        cos(std::move(cos)), sin(std::move(sin)), embed_format(embed_format) {}
 };
 
+// ids, positions [T] -> decoder_layers over embed[ids] with the rope rows of `positions`.
 std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers_bound(
-    at::Tensor& hidden, const c10::intrusive_ptr<DecoderStack>& stack, double eps, const at::Tensor& cos,
-    const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& cu_seqlens_q, const at::Tensor& prefix_lens, const c10::optional<at::Tensor>& tree_mask,
-    int64_t num_q_heads, at::IntArrayRef capture, const c10::optional<at::Tensor>& capture_into) {
-  return eagle::cpu::decoder_layers(hidden, stack->weights, stack->formats, eps, cos, sin, stack->kv, slot_mapping,
-                                    block_tables, cu_seqlens_q, prefix_lens, tree_mask, num_q_heads, capture,
-                                    capture_into, c10::nullopt);
+    const at::Tensor& ids, const at::Tensor& positions, const c10::intrusive_ptr<DecoderStack>& stack, double eps,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& prefix_lens, const c10::optional<at::Tensor>& tree_mask, int64_t num_q_heads,
+    at::IntArrayRef capture, const c10::optional<at::Tensor>& capture_into) {
+  TORCH_CHECK_VALUE(ids.dim() == 1 && positions.dim() == 1 && ids.numel() == positions.numel(),
+                    "decoder_layers_bound: ids and positions must be [T] vectors of one length");
+  at::Tensor hidden = stack->embed_format == 0
+                          ? stack->embed.index_select(0, ids)
+                          : eagle::cpu::embedding_q(ids, stack->embed, stack->embed_format, at::kBFloat16);
+  return eagle::cpu::decoder_layers(hidden, stack->weights, stack->formats, eps, stack->cos.index_select(0, positions),
+                                    stack->sin.index_select(0, positions), stack->kv, slot_mapping, block_tables,
+                                    cu_seqlens_q, prefix_lens, tree_mask, num_q_heads, capture, capture_into,
+                                    c10::nullopt);
 }
 
 }  // namespace
@@ -352,10 +365,11 @@ TORCH_LIBRARY_FRAGMENT(eagle, m) {
         " Tensor? tree_mask, int num_q_heads, int[] capture, Tensor(c!)? capture_into, Tensor? first_input=None)"
         " -> (Tensor, Tensor[])");
   m.class_<DecoderStack>("DecoderStack")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>>());
-  // decoder_layers over a bound stack's weights, formats and kv (it writes the caches it holds)
-  m.def("decoder_layers_bound(Tensor(a!) hidden, __torch__.torch.classes.eagle.DecoderStack stack, float eps,"
-        " Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor cu_seqlens_q, Tensor prefix_lens,"
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>, at::Tensor, int64_t,
+                       at::Tensor, at::Tensor>());
+  // decoder_layers from token ids and positions over a bound stack (it writes the caches it holds)
+  m.def("decoder_layers_bound(Tensor ids, Tensor positions, __torch__.torch.classes.eagle.DecoderStack stack,"
+        " float eps, Tensor slot_mapping, Tensor block_tables, Tensor cu_seqlens_q, Tensor prefix_lens,"
         " Tensor? tree_mask, int num_q_heads, int[] capture, Tensor(c!)? capture_into) -> (Tensor, Tensor[])");
 }
 

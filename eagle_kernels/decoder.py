@@ -21,7 +21,12 @@ PER_LAYER = 6
 def decoder_layers_fit(hidden: torch.Tensor) -> bool:
     """Whether decoder_layers serves this step: bf16 CPU activations, autograd off (any step: prefills,
     decode, chains and trees run the same kernels as the per-layer forward)."""
-    return (_CPU_OP and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu" and not _ops._TRITON_ON_CPU
+    return fits(hidden.dtype, hidden.device)
+
+
+def fits(dtype: torch.dtype, device: torch.device) -> bool:
+    """decoder_layers_fit for activations of this dtype and device."""
+    return (_CPU_OP and dtype == torch.bfloat16 and device.type == "cpu" and not _ops._TRITON_ON_CPU
             and not torch.is_grad_enabled())
 
 
@@ -39,19 +44,24 @@ def decoder_layers(hidden, weights, formats, eps, cos, sin, kv, slot_mapping, bl
                                 first_input)
 
 
-def bind(weights, formats, kv):
-    """decoder_layers' weights, formats and caches as one C++ object for decoder_layers_bound: a step then passes
-    it instead of ~240 tensors, whose boxing costs ~75 us a call with their Python objects cold (a 30-layer
-    stack). The object keeps the tensors alive; bind again after replacing any. Each call checks them as
+def bind(weights, formats, kv, embed, embed_format: int, cos, sin):
+    """A model's decoder stack as one C++ object for decoder_layers_bound: the layers' weights and formats, the
+    KV caches, the embedding table (embed_format: FORMATS' bf16 rows, or Q4_1 / Q8_0 blocks dequantized to bf16)
+    and the fp32 rope tables [P, D]. A step then passes it with its token ids and positions instead of ~240
+    tensors, whose boxing costs ~75 us a call with their Python objects cold (a 30-layer stack), and two ops
+    fewer. The object keeps the tensors alive; bind again after replacing any. Each call checks them as
     decoder_layers does (the op's own checks)."""
     _check_lengths(weights, formats, kv)
-    return torch.classes.eagle.DecoderStack(list(weights), list(formats), list(kv))
+    if embed_format not in FORMATS.values():
+        raise ValueError(f"decoder_layers: embed_format must be in {FORMATS}, got {embed_format}")
+    return torch.classes.eagle.DecoderStack(list(weights), list(formats), list(kv), embed, embed_format, cos, sin)
 
 
-def decoder_layers_bound(hidden, stack, eps, cos, sin, slot_mapping, block_tables, cu_seqlens_q, prefix_lens,
+def decoder_layers_bound(ids, positions, stack, eps, slot_mapping, block_tables, cu_seqlens_q, prefix_lens,
                          tree_mask, num_q_heads: int, capture=(), capture_into=None):
-    """decoder_layers over a bound stack (bind's): the same kernels, the same bits; no first_input."""
-    return ops().decoder_layers_bound(hidden, stack, eps, cos, sin, slot_mapping, block_tables, cu_seqlens_q,
+    """decoder_layers over a bound stack (bind's) from token ids and positions [T]: hidden = the embedding's rows
+    of ids, cos / sin = the rope tables' rows of positions; the same kernels, the same bits; no first_input."""
+    return ops().decoder_layers_bound(ids, positions, stack, eps, slot_mapping, block_tables, cu_seqlens_q,
                                       prefix_lens, tree_mask, num_q_heads, list(capture), capture_into)
 
 

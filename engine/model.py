@@ -194,15 +194,15 @@ class Llama(nn.Module):
         head's input) and the inputs of the layers in `capture` (EAGLE-3's low/mid/high features), or, with
         `capture_into` ([slots, len(capture) * H]), writes those side by side at row meta.slot_mapping[t] for
         token t and returns none."""
-        residual = self.embed_tokens(input_ids)   # [T, H], the hidden state, updated in place
-        cos, sin = self.rotary(positions, torch.float32)
-        delta, captured = None, []
         with eagle_kernels.unchecked():           # every layer's arguments are built here, from meta
-            stack = self.bound(kv_caches) if eagle_kernels.decoder_layers_fit(residual) else None
+            stack = self.bound(kv_caches)
             if stack is not None:                 # the same kernels as the layers below, in one C++ call
                 return eagle_kernels.decoder.decoder_layers_bound(
-                    residual, stack, self.norm.eps, cos, sin, meta.slot_mapping, meta.block_tables,
+                    input_ids, positions, stack, self.norm.eps, meta.slot_mapping, meta.block_tables,
                     meta.cu_seqlens_q, meta.prefix_lens, meta.tree_mask, self.cfg.num_heads, capture, capture_into)
+            residual = self.embed_tokens(input_ids)   # [T, H], the hidden state, updated in place
+            cos, sin = self.rotary(positions, torch.float32)
+            delta, captured = None, []
             for i, layer in enumerate(self.layers):
                 if i in capture:  # layer i's input: a copy, since the residual keeps changing in place
                     captured.append(residual.clone() if delta is None else residual + delta)
@@ -222,15 +222,20 @@ class Llama(nn.Module):
         return self._stack or None
 
     def bound(self, kv_caches):
-        """stack() and kv_caches bound as one object for decoder_layers_bound (eagle_kernels.decoder.bind), kept
-        while the same caches come (a runner passes one list every step), or None where stack() is."""
-        if not self.fused:
+        """stack(), kv_caches, the embedding and the rope tables bound as one object for decoder_layers_bound
+        (eagle_kernels.decoder.bind), kept while the same caches come (a runner passes one list every step);
+        None where the step does not fit decoder_layers (stack() None, activations not bf16 on the CPU)."""
+        embed = self.embed_tokens
+        table, fmt, dtype = ((embed.qweight, eagle_kernels.decoder.FORMATS[embed.qtype], embed.dtype)
+                             if isinstance(embed, QEmbedding) else (embed.weight, 0, embed.weight.dtype))
+        if not self.fused or not eagle_kernels.decoder.fits(dtype, table.device):
             return None
         if self._bound is None or self._bound[0] is not kv_caches:
             stack = self.stack()
             if stack is None:
                 return None
-            self._bound = kv_caches, eagle_kernels.decoder.bind(*stack, [c for kv in kv_caches for c in kv])
+            self._bound = kv_caches, eagle_kernels.decoder.bind(*stack, [c for kv in kv_caches for c in kv], table,
+                                                                 fmt, self.rotary.cos, self.rotary.sin)
         return self._bound[1]
 
     def _apply(self, fn, *args, **kwargs):

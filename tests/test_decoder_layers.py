@@ -208,24 +208,31 @@ def test_decoder_layers_bad_arguments(checkpoint):
             eagle_kernels.decoder_layers(**args(**change))
     with eagle_kernels.unchecked(), pytest.raises(ValueError, match="outside the cache"):
         eagle_kernels.decoder_layers(**args(slot_mapping=meta.slot_mapping + 10**6))
-    # a bound stack (what the engine passes): the same values and KV, the C++ op's checks on every call
-    bound = lambda **kw: {k: v for k, v in args(**kw).items() if k not in ("weights", "formats", "kv")}
+    # a bound stack (what the engine passes: the embedding and rope tables too, rows taken by ids and positions):
+    # the same values and KV, the C++ op's checks on every call
+    ids = torch.tensor([4, 5])
+    table, fmt = model.embed_tokens.qweight, eagle_kernels.decoder.FORMATS[model.embed_tokens.qtype]
     before = [c.clone() for c in kv]
-    want = eagle_kernels.decoder_layers(**args())[0]
+    want = eagle_kernels.decoder_layers(**args(hidden=model.embed_tokens(ids)))[0]
     written = [c.clone() for c in kv]
     for c, b in zip(kv, before):
         c.copy_(b)
-    stack = eagle_kernels.decoder.bind(weights, formats, kv)
-    assert torch.equal(eagle_kernels.decoder.decoder_layers_bound(stack=stack, **bound())[0], want)
+    stack = eagle_kernels.decoder.bind(weights, formats, kv, table, fmt, model.rotary.cos, model.rotary.sin)
+    bound = lambda **kw: {**dict(ids=ids, positions=pos, stack=stack, eps=1e-5, slot_mapping=meta.slot_mapping,
+                                 block_tables=meta.block_tables, cu_seqlens_q=meta.cu_seqlens_q,
+                                 prefix_lens=meta.prefix_lens, tree_mask=None, num_q_heads=4), **kw}
+    assert torch.equal(eagle_kernels.decoder.decoder_layers_bound(**bound())[0], want)
     assert all(torch.equal(c, w) for c, w in zip(kv, written))
     with pytest.raises(ValueError, match="6 per layer"):
-        eagle_kernels.decoder.bind(weights[:-1], formats, kv)
+        eagle_kernels.decoder.bind(weights[:-1], formats, kv, table, fmt, model.rotary.cos, model.rotary.sin)
     with pytest.raises(ValueError, match="formats must be in"):
-        eagle_kernels.decoder.bind(weights, [5] + formats[1:], kv)
+        eagle_kernels.decoder.bind(weights, [5] + formats[1:], kv, table, fmt, model.rotary.cos, model.rotary.sin)
+    with pytest.raises(ValueError, match="embed_format must be in"):
+        eagle_kernels.decoder.bind(weights, formats, kv, table, 5, model.rotary.cos, model.rotary.sin)
     with pytest.raises(ValueError, match="outside the cache"):
-        eagle_kernels.decoder.decoder_layers_bound(stack=stack, **bound(slot_mapping=meta.slot_mapping + 10**6))
-    with pytest.raises(ValueError, match="cos and sin"):
-        eagle_kernels.decoder.decoder_layers_bound(stack=stack, **bound(cos=cos[:1]))
+        eagle_kernels.decoder.decoder_layers_bound(**bound(slot_mapping=meta.slot_mapping + 10**6))
+    with pytest.raises(ValueError, match="one length"):
+        eagle_kernels.decoder.decoder_layers_bound(**bound(positions=pos[:1]))
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
