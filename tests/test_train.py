@@ -142,6 +142,11 @@ def test_tiny_training_lowers_loss(tmp_path, kind):
     first, last = sum(r["loss"] for r in log[:5]) / 5, sum(r["loss"] for r in log[-5:]) / 5
     assert last < 0.8 * first, (first, last)
     assert sum(log[-1]["acc"]) > sum(log[0]["acc"])
+    # where the steps' time went: the three phases, summed over the steps, within the steps' own time
+    split = [r["split"] for r in log]
+    assert set(split[-1]) == {"features", "head", "optimizer"}
+    assert all(a[k] <= b[k] for a, b in zip(split, split[1:]) for k in a) and split[-1]["head"] > 0
+    assert sum(split[-1].values()) <= log[-1]["elapsed"] + 0.03
     head = load_head(tmp_path / "run" / "head", model)  # the exported official checkpoint loads back
     assert head.kind == kind
     cfg = json.loads((tmp_path / "run" / "head" / "config.json").read_text())

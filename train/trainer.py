@@ -175,6 +175,31 @@ def export_head(head: DraftHead, target, path: Path, dtype: str):
 
 # ------------------------------------------------------------------------------------------------ loop
 
+class StepSplit:
+    """Where a run's training steps spend their time: seconds per phase (the target's features, the head's
+    forward and backward, the optimizer), summed over this run's steps; a sharded step (several ranks) has its
+    features and head as one phase. On a GPU each mark synchronizes (two more syncs a step than the
+    loss read already takes), so the phases hold their device time."""
+
+    def __init__(self, device: torch.device):
+        self.cuda, self.device = device.type == "cuda", device
+        self.total: dict[str, float] = {}
+        self.last = 0.0
+
+    def start(self, t: float):
+        self.last = t
+
+    def mark(self, phase: str):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        now = time.monotonic()
+        self.total[phase] = self.total.get(phase, 0.0) + now - self.last
+        self.last = now
+
+    def seconds(self) -> dict[str, float]:
+        return {k: round(v, 2) for k, v in self.total.items()}
+
+
 def train(args, target, features: TargetFeatures, seqs: list[Seq], out: str | Path,
           budget_s: float | None = None) -> dict:
     """Trains (or with args.resume continues) a head on `seqs` (prompt + reply ids) with features from
@@ -208,6 +233,7 @@ def train(args, target, features: TargetFeatures, seqs: list[Seq], out: str | Pa
                dynamic_ncols=True, desc=f"train {head.kind}")
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.train_dtype == "bfloat16")
     rec, start, paced = {}, state["step"], None
+    split = StepSplit(device)
     while not (state["total"] and state["step"] >= state["total"]):
         if budget_s is not None and state["elapsed"] >= budget_s:
             if main:
@@ -218,20 +244,25 @@ def train(args, target, features: TargetFeatures, seqs: list[Seq], out: str | Pa
             state["epoch"], state["batch"] = state["epoch"] + 1, 0
             continue
         t0 = time.monotonic()
+        split.start(t0)
         rows = data.rows_of(batches[state["batch"]])
         for g in opt.param_groups:
             g["lr"] = lr_at(state["step"], state["total"], args)
         opt.zero_grad(set_to_none=True)
         if distributed.world() > 1:
             loss, acc, n = sharded_backward(ddp, features, rows, view.lm_head.weight, args.ttt_steps, amp)
+            split.mark("features and head")
         else:
             batch = features(rows)
+            split.mark("features")
             with amp:
                 loss, acc, n = head_loss(head, view.lm_head.weight, batch, args.ttt_steps)
             loss.backward()
+            split.mark("head")
         gnorm = torch.nn.utils.clip_grad_norm_(head.parameters(), args.clip)
         opt.step()
         loss, gnorm = loss.item(), gnorm.item()  # a sync: the step's device time is in `elapsed`
+        split.mark("optimizer")
         state["step"] += 1
         state["batch"] += 1
         # the slowest rank's time: every rank fixes the same step count and stops at the same step
@@ -244,7 +275,7 @@ def train(args, target, features: TargetFeatures, seqs: list[Seq], out: str | Pa
             bar.total = state["total"]
         rec = {"step": state["step"], "epoch": state["epoch"], "loss": round(loss, 5),
                "acc": [round(a, 4) for a in acc.tolist()], "n": n.tolist(), "lr": g["lr"],
-               "gnorm": round(gnorm, 4), "elapsed": round(state["elapsed"], 2)}
+               "gnorm": round(gnorm, 4), "elapsed": round(state["elapsed"], 2), "split": split.seconds()}
         log.write(json.dumps(rec) + "\n")
         log.flush()
         bar.update(1)
