@@ -92,7 +92,20 @@ if [ -f "$head_dir/model.safetensors" ]; then
     split -b 15M -d "$head_dir/model.safetensors" "$OUT/head.safetensors."
     cp "$head_dir/config.json" "$OUT/"
 fi
-[ -f "$run/eval.json" ] && cp "$run/eval.json" "$OUT/" && cat "$run/eval.json" | head -60
+if [ -f "$run/eval.json" ]; then  # its gist (the whole file comes back too)
+    cp "$run/eval.json" "$OUT/"
+    $PY - "$run/eval.json" <<'EOF'
+import json, sys
+e = json.load(open(sys.argv[1]))
+r, t = e.get("replies", {}), e.get("train", {})
+print("replies:", {k: r.get(k) for k in ("prompts", "sequences", "reply_tokens", "seconds")},
+      "staged:", sum(v["reply_tokens"] for v in r.get("from", {}).values()))
+print("train:", {k: t.get(k) for k in ("steps", "seconds")}, "split (s):", (t.get("last") or {}).get("split"),
+      "last acc:", (t.get("last") or {}).get("acc"))
+print("n-alpha:", e.get("n_alpha"), "chain tau:", e.get("chain", {}).get("tau"),
+      "tree tau:", e.get("tree", {}).get("tau"))
+EOF
+fi
 logs=$(cd "$OUT" && ls build.log bad_args.log train.log 2>/dev/null)  # one file: a call returns at most 8
 [ -n "$logs" ] && tar -C "$OUT" -czf "$OUT/logs.tar.gz" $logs && (cd "$OUT" && rm -f $logs)
 # The run's own replies come back too (replies.tar.gz.NN: `cat replies.tar.gz.* | tar xz` gives replies/),
