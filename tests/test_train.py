@@ -134,6 +134,24 @@ def run_train(args, model, seqs, budget_s=None):
     return train(args, model, tiny_features(model, capture), seqs, args.out, budget_s)
 
 
+def test_bf16_autocast_trains_like_fp32(tmp_path):
+    """--train-dtype auto is bfloat16 autocast on a GPU: over the same batches its losses follow fp32's (the
+    head's weights and optimizer stay fp32), and it still learns."""
+    from train.trainer import train_dtype
+    assert train_dtype("auto", torch.device("cpu")) == "float32"
+    assert train_dtype("auto", torch.device("cuda")) == "bfloat16"
+    assert train_dtype("float32", torch.device("cuda")) == "float32"
+    model, seqs = peaked_target(), tiny_seqs()
+    logs = {}
+    for dt in ("float32", "bfloat16"):
+        run_train(args_for(tmp_path / dt, "--steps", "100", "--save-every", "100", "--train-dtype", dt), model, seqs)
+        logs[dt] = [json.loads(line)["loss"] for line in open(tmp_path / dt / "train_log.jsonl")]
+        assert torch.load(tmp_path / dt / "ckpt.pt", weights_only=True)["state"]["train_dtype"] == dt
+    fp32, bf16 = logs["float32"], logs["bfloat16"]
+    assert bf16 != fp32 and max(abs(b - f) / f for b, f in zip(bf16, fp32)) < 0.02  # rounded differently
+    assert sum(bf16[-5:]) < 0.8 * sum(bf16[:5])                                      # and it learns
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
 def test_tiny_training_lowers_loss(tmp_path, kind):
     model, seqs = peaked_target(), tiny_seqs()

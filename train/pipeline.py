@@ -126,7 +126,8 @@ def parser() -> Parser:
     g.add_argument("--warmup", type=positive_int, default=50)
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--clip", type=positive_float, default=0.5)
-    g.add_argument("--train-dtype", choices=["float32", "bfloat16"], default="float32", help="autocast dtype")
+    g.add_argument("--train-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="autocast dtype (auto: bfloat16 on a GPU, float32 on a CPU)")
     g.add_argument("--export-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     g.add_argument("--save-every", type=positive_int, default=50)
     g.add_argument("--stop-after", type=count, default=0, help="stop (with a checkpoint) after this many "
@@ -242,7 +243,8 @@ def run(args, llm=None) -> dict:
                             budget_s=TRAIN_END * budget - state["replies_s"])
         ck = torch.load(out / "train" / "ckpt.pt", weights_only=True, map_location="cpu")["state"]
         stopped = args.stop_after and rec and ck["step"] < (ck["total"] or float("inf"))
-        state.update(train_steps=ck["step"], train_s=round(ck["elapsed"], 1), last=rec)
+        state.update(train_steps=ck["step"], train_s=round(ck["elapsed"], 1), train_dtype=ck.get("train_dtype"),
+                     last=rec)
         if stopped:
             save_state(out, state)
             return {}
@@ -260,7 +262,7 @@ def run(args, llm=None) -> dict:
         result.update(device=str(device), model=args.model, replies={
             "prompts": state.get("prompts"), "sequences": state["sequences"], "reply_tokens": state["reply_tokens"],
             "seconds": round(state["replies_s"], 1), "from": state["replies_from"]}, train={"steps": state.get("train_steps"),
-            "seconds": state.get("train_s"), "last": state.get("last")}, eval_s=round(time.monotonic() - t0, 1))
+            "seconds": state.get("train_s"), "dtype": state.get("train_dtype"), "last": state.get("last")}, eval_s=round(time.monotonic() - t0, 1))
         (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
         evaluate.plot({result["kind"]: result}, out / "eval.png")
         state["done"].append("evaluate")
