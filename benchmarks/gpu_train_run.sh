@@ -26,7 +26,8 @@
 # is not for shipping). Add SKIP_BUILD=1 on a machine still warm from an earlier build (~65 s saved).
 #
 # Sized for a 600 s device command: build ~60 s, the bad-argument tests ~30 s, train.pipeline's stages TRAIN_MIN
-# minutes plus loading and evaluation (killed 150 s past its budget, after which its last export is used).
+# minutes plus loading and evaluation (killed 150 s past its budget or CALL_LIMIT (590) s into the call, whichever
+# comes first, after which its last export is used).
 set -u
 OUT=${OUT:-/tmp/gpu_train}
 mkdir -p "$OUT"
@@ -81,7 +82,10 @@ for t in "$STAGE"/p*/replies/*.tar.gz; do  # whichever call carried each
 done
 stamp "replies from elsewhere: $(( ${#from[@]} / 2 )) directories"
 minutes=${TRAIN_MIN:-5}
-timeout "$($PY -c "print(int(float('$minutes') * 60) + 150)")" $PY -m train.pipeline --out "$run" --device "${DEVICE:-cuda}" \
+# killed 150 s past its budget, or sooner where the device call would end first (CALL_LIMIT seconds from this
+# script's start, 25 s kept for what follows): then its last export (every --save-every steps) comes back
+left=$(( ${CALL_LIMIT:-590} - ($(date +%s) - t0) - 25 ))
+timeout "$($PY -c "print(max(1, min(int(float('$minutes') * 60) + 150, $left)))")" $PY -m train.pipeline --out "$run" --device "${DEVICE:-cuda}" \
     --model "$target" --sharegpt "$last/sharegpt_prompts.json.gz" --init engine/heads/smollm2-135m-eagle3 --draft-vocab 8192 \
     --source "${SOURCE:-sharegpt}" --minutes "$minutes" --skip-prompts "${SKIP_PROMPTS:-0}" --replies-share "${REPLIES_SHARE:-0.45}" \
     "${from[@]}" --quiet ${TRAIN_ARGS:-} >"$OUT/train.log" 2>&1
