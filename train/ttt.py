@@ -70,7 +70,7 @@ def ttt_attention(attn, x, cos, sin, mask0, past: list):
     scale = 1.0 / math.sqrt(hd)
     s0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~mask0[:, None], float("-inf"))  # [B, Hq, S', S]
     diag = [(q * kj).sum(-1, keepdim=True) * scale for kj, _ in kvs[1:]]                # [B, Hq, S', 1]
-    p = torch.softmax(torch.cat([s0, *diag], -1).float(), -1).to(q.dtype)
+    p = torch.softmax(torch.cat([s0, *diag], -1), -1, dtype=torch.float32).to(q.dtype)  # bf16 in, fp32 math
     o = p[..., :S] @ v0
     for j, (_, vj) in enumerate(kvs[1:]):
         o = o + p[..., S + j:S + j + 1] * vj
