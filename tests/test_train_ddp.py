@@ -149,4 +149,5 @@ if __name__ == "__main__":  # a rank of test_time_budget_stops_every_rank_at_the
                 budget_s=budget)
     Path(out).with_name(f"rank{distributed.rank()}.json").write_text(json.dumps({"step": rec["step"],
                                                                                   "rows_error": rows_error}))
+    distributed.barrier()  # as pipeline.main: both ranks tear down together
     distributed.close()

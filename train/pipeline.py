@@ -278,6 +278,7 @@ def main(argv=None) -> int:
         if distributed.launched():
             distributed.init(device)
         result = run(args)
+        distributed.barrier()  # every rank leaves together: none tears its connections down under a peer
     except (ModelNotFoundError, ValueError) as e:
         print(f"error: {e}{distributed.where()}", file=sys.stderr)
         return 2
