@@ -22,9 +22,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "cpu_ops.h"
+#include "cpu_vec.h"
 
 namespace {
 
@@ -51,19 +53,51 @@ struct Head {
         stack{w[kPostNorm], w[kQkv], w[kO], w[kPostNorm], w[kGateUp], w[kDown], w[kPostNorm]},
         formats{f[kQkvFormat], f[kOFormat], f[kGateUpFormat], f[kDownFormat]} {}
 
-  // One head step over rows (ids, hidden, positions) -> the layer's output [rows, H].
-  at::Tensor step(const at::Tensor& ids, const at::Tensor& hidden, const at::Tensor& positions,
+  // One head step over rows (ids, hidden, positions) -> the layer's output [rows, H]. The layer's input row is
+  // [rms_norm(embedding), rms_norm(hidden)], each half normed in place by the row kernel rms_norm runs (the same
+  // bits as two rms_norm ops and a cat, without their three tensors and dispatch: this runs cold after the
+  // target's step, where every op costs several times its hot time).
+  at::Tensor step(const at::Tensor& ids, const at::Tensor& hidden_in, const at::Tensor& positions,
                   const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                   const at::Tensor& prefix_lens) const {
     const at::Tensor emb = f[kEmbedFormat] == 0 ? w[kEmbed].index_select(0, ids)
                                                 : eagle::cpu::embedding_q(ids, w[kEmbed], f[kEmbedFormat], at::kBFloat16);
-    const at::Tensor x = at::cat({eagle::cpu::rms_norm(emb, w[kInputNorm], eps, c10::nullopt),
-                                  eagle::cpu::rms_norm(hidden, w[kHiddenNorm], eps, c10::nullopt)}, 1);
+    const at::Tensor hidden = hidden_in.contiguous(), in_norm = w[kInputNorm].contiguous(),
+                     hidden_norm = w[kHiddenNorm].contiguous();
+    const int64_t T = hidden.size(0), H = hidden.size(1);
+    at::Tensor x = at::empty({T, 2 * H}, hidden.options());                                   // [T, 2H]
+    for (int64_t t = 0; t < T; ++t) {
+      at::BFloat16* row = x.data_ptr<at::BFloat16>() + t * 2 * H;
+      eagle::cpu::rms_norm_rows(emb.data_ptr<at::BFloat16>() + t * H, in_norm.data_ptr<at::BFloat16>(), nullptr, row,
+                                1, H, static_cast<float>(eps));
+      eagle::cpu::rms_norm_rows(hidden.data_ptr<at::BFloat16>() + t * H, hidden_norm.data_ptr<at::BFloat16>(),
+                                nullptr, row + H, 1, H, static_cast<float>(eps));
+    }
     at::Tensor out = hidden.clone();  // the residual stream, updated in place to the layer's output
-    eagle::cpu::decoder_layers(out, stack, formats, eps, cos.index_select(0, positions).to(at::kFloat),
-                               sin.index_select(0, positions).to(at::kFloat), kv, slot_mapping, block_tables, cu_seqlens_q, prefix_lens, c10::nullopt, num_q_heads, {},
-                               c10::nullopt, x);
+    const auto [c, s] = rope_rows(positions);
+    eagle::cpu::decoder_layers(out, stack, formats, eps, c, s, kv, slot_mapping, block_tables, cu_seqlens_q,
+                               prefix_lens, c10::nullopt, num_q_heads, {}, c10::nullopt, x);
     return out;
+  }
+
+  // The rope tables' rows of `positions`, fp32 [T, D] each (a copy of fp32 tables' rows, as index_select makes).
+  std::pair<at::Tensor, at::Tensor> rope_rows(const at::Tensor& positions) const {
+    if (cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat || !cos.is_contiguous() ||
+        !sin.is_contiguous())
+      return {cos.index_select(0, positions).to(at::kFloat), sin.index_select(0, positions).to(at::kFloat)};
+    const at::Tensor pos = positions.contiguous();
+    const bool wide = pos.scalar_type() == at::kLong;
+    const int64_t T = pos.numel(), D = cos.size(1);
+    at::Tensor rows = at::empty({2, T, D}, cos.options());
+    float* out = rows.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = wide ? pos.data_ptr<int64_t>()[t] : pos.data_ptr<int32_t>()[t];
+      TORCH_CHECK_VALUE(p >= 0 && p < cos.size(0), "draft_chain: position ", p, " is outside the rope table's ",
+                        cos.size(0), " rows");
+      std::copy_n(cos.data_ptr<float>() + p * D, D, out + t * D);
+      std::copy_n(sin.data_ptr<float>() + p * D, D, out + (T + t) * D);
+    }
+    return {rows[0], rows[1]};
   }
 
   at::Tensor logits(const at::Tensor& out) const {  // [rows, Vd], in the LM head's output dtype (bf16)
@@ -75,21 +109,67 @@ struct Head {
 // the first of equal maxima, the first NaN if there is one. In place of at::max and a widened copy of the
 // logits: two ATen calls a level whose dispatch cost more than the scan, run cold after the target's step.
 template <typename T>
+void top1_row_scalar(const T* x, int64_t V, float* best, int64_t* top) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t arg = 0;
+  for (int64_t i = 0; i < V; ++i) {
+    const float v = static_cast<float>(x[i]);
+    if (std::isnan(v)) {
+      m = v, arg = i;
+      break;
+    }
+    if (v > m) m = v, arg = i;
+  }
+  *best = m, *top = arg;
+}
+
+#if defined(__x86_64__)
+// top1_row_scalar's answer in two vector passes: the largest value (and whether any is NaN: then the scalar
+// scan, which stops at the first), then the first index holding it. The first maximum is the first index
+// comparing equal to the largest value (-0 and +0 compare equal, as v > m never prefers the later one).
+template <typename T>
+EAGLE_AVX2 void top1_row_avx2(const T* x, int64_t V, float* best, int64_t* top) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), unordered = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) {
+    const __m256 v = eagle::cpu::load8(x + i);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    m = _mm256_max_ps(m, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float mx = *std::max_element(lanes, lanes + 8);
+  bool nan = _mm256_movemask_ps(unordered) != 0;
+  for (int64_t j = i; j < V; ++j) {
+    const float v = static_cast<float>(x[j]);
+    nan = nan || std::isnan(v);
+    mx = std::max(mx, v);
+  }
+  if (nan) return top1_row_scalar(x, V, best, top);
+  const __m256 target = _mm256_set1_ps(mx);
+  int64_t arg = 0;
+  for (i = 0; i + 8 <= V; i += 8) {
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(eagle::cpu::load8(x + i), target, _CMP_EQ_OQ));
+    if (mask) break;
+  }
+  for (arg = i; arg < V && static_cast<float>(x[arg]) != mx; ++arg) {
+  }
+  *best = static_cast<float>(x[arg]), *top = arg;
+}
+#endif
+
+template <typename T>
 void top1_rows(const at::Tensor& logits, float* best, int64_t* top) {
   const int64_t B = logits.size(0), V = logits.size(1);
   const T* x = logits.data_ptr<T>();
   for (int64_t b = 0; b < B; ++b, x += V) {
-    float m = -std::numeric_limits<float>::infinity();
-    int64_t arg = 0;
-    for (int64_t i = 0; i < V; ++i) {
-      const float v = static_cast<float>(x[i]);
-      if (std::isnan(v)) {
-        m = v, arg = i;
-        break;
-      }
-      if (v > m) m = v, arg = i;
+#if defined(__x86_64__)
+    if (eagle::cpu::has_avx2() && V > 0) {
+      top1_row_avx2(x, V, best + b, top + b);
+      continue;
     }
-    best[b] = m, top[b] = arg;
+#endif
+    top1_row_scalar(x, V, best + b, top + b);
   }
 }
 
@@ -126,19 +206,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_cha
   }
   const Head head(weights, formats, eps, cos, sin, kv, num_q_heads);
   const at::Tensor d2t_host = d2t.to(at::kLong).contiguous();
-  const at::Tensor rows = at::tensor(root_rows, at::kLong);
   const at::Tensor hidden = linear(features.index_select(0, slot_mapping), weights[kFc], formats[kFcFormat]);  // [T, H]
-  at::Tensor out = head.step(ids, hidden, positions, slot_mapping, block_tables, cu, prefix_lens).index_select(0, rows);
-  std::vector<at::Tensor> tokens{ids.to(at::kLong).index_select(0, rows)};  // per level [B]
+  at::Tensor out = head.step(ids, hidden, positions, slot_mapping, block_tables, cu, prefix_lens);  // [T, H]
+  if (T != B) out = out.index_select(0, at::tensor(root_rows, at::kLong));  // the roots' rows (T == B: all of them)
   std::vector<int64_t> lengths(max_levels.begin(), max_levels.end());
   const int64_t levels = *std::max_element(lengths.begin(), lengths.end());
+  // The chains, written in place: column 0 the roots' tokens, column d the depth-d drafts (as target ids).
+  at::Tensor tokens = at::empty({B, levels + 1}, at::kLong);
+  int64_t* tok = tokens.data_ptr<int64_t>();
+  const at::Tensor ids_c = ids.contiguous();
+  for (int64_t b = 0; b < B; ++b)
+    tok[b * (levels + 1)] = ids_c.scalar_type() == at::kLong ? ids_c.data_ptr<int64_t>()[root_rows[b]]
+                                                             : ids_c.data_ptr<int32_t>()[root_rows[b]];
   // A level's step: one new token per sequence at position root + d - 1 (d >= 2), its slot by the block table.
   const int64_t block_size = kv[0].size(1), scratch = kv[0].size(0) - 1, W = block_tables.size(1);
   const int32_t* table = block_tables.data_ptr<int32_t>();
   const int64_t* root_pos = pos.data_ptr<int64_t>();
-  at::Tensor step_pos = at::empty({B}, at::kLong), step_slots = at::empty({B}, at::kLong),
-             step_cu = at::arange(B + 1, at::kInt), step_prefix = at::empty({B}, at::kInt);
+  at::Tensor step_ids = at::empty({B}, at::kLong), step_pos = at::empty({B}, at::kLong),
+             step_slots = at::empty({B}, at::kLong), step_cu = at::arange(B + 1, at::kInt),
+             step_prefix = at::empty({B}, at::kInt), best = at::empty({B}, at::kFloat);
+  std::vector<int64_t> top(B);
   at::Tensor score = at::zeros({B}, at::kFloat);
+  const int64_t* map = d2t_host.data_ptr<int64_t>();
   for (int64_t d = 1; d <= levels; ++d) {
     if (d > 1) {
       for (int64_t b = 0; b < B; ++b) {
@@ -147,20 +236,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_cha
         const int64_t block = blk < W ? table[b * W + blk] : scratch;
         TORCH_CHECK_VALUE(block >= 0 && block <= scratch, "draft_chain: block_tables[", b, "] holds block ", block,
                           " outside the cache's ", scratch + 1);
+        step_ids.data_ptr<int64_t>()[b] = tok[b * (levels + 1) + d - 1];
         step_pos.data_ptr<int64_t>()[b] = p;
         step_slots.data_ptr<int64_t>()[b] = block * block_size + p % block_size;
         step_prefix.data_ptr<int32_t>()[b] = static_cast<int32_t>(p);
       }
-      out = head.step(tokens.back(), out, step_pos, step_slots, block_tables, step_cu, step_prefix);
+      out = head.step(step_ids, out, step_pos, step_slots, block_tables, step_cu, step_prefix);
     }
     const at::Tensor logits = head.logits(out).contiguous();                              // [B, Vd]
-    at::Tensor best = at::empty({B}, at::kFloat), next = at::empty({B}, at::kLong);
-    int64_t* ids_out = next.data_ptr<int64_t>();
-    if (logits.scalar_type() == at::kBFloat16) top1_rows<at::BFloat16>(logits, best.data_ptr<float>(), ids_out);
-    else top1_rows<float>(logits.to(at::kFloat), best.data_ptr<float>(), ids_out);
-    const int64_t* map = d2t_host.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b) ids_out[b] += map[ids_out[b]];  // the draft vocabulary's id -> the target's
-    tokens.push_back(next);
+    if (logits.scalar_type() == at::kBFloat16) top1_rows<at::BFloat16>(logits, best.data_ptr<float>(), top.data());
+    else top1_rows<float>(logits.to(at::kFloat), best.data_ptr<float>(), top.data());
+    for (int64_t b = 0; b < B; ++b)  // the draft vocabulary's id -> the target's
+      tok[b * (levels + 1) + d] = top[b] + map[top[b]];
     bool more = false;
     if (std::isfinite(log_floor)) {
       score = score + (best - at::logsumexp(logits.to(at::kFloat), {1}));
@@ -184,8 +271,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_cha
       parents.data_ptr<int32_t>()[b * (N + 1) + j] = depth - 1;
     }
   }
-  return {at::stack(at::TensorList(tokens).slice(0, N + 1), 1), parents, depths, at::zeros({B, N + 1}, at::kFloat),
-          sizes};
+  // Columns past N hold drafts no chain kept (a level drafted, then cut): a chain's nodes come first.
+  return {N == levels ? tokens : tokens.narrow(1, 0, N + 1).contiguous(), parents, depths,
+          at::zeros({B, N + 1}, at::kFloat), sizes};
 }
 
 }  // namespace

@@ -103,6 +103,44 @@ def test_one_call_drafts_what_the_head_drafts_op_by_op(llm, args, monkeypatch):
         assert sizes.max() == 4
 
 
+def tie_the_draft_logits(head):
+    """Rows 5 and 7 of the head's LM head one random row r, every other row -r: each level's logits tie, at
+    rows 5 and 7 (r . x > 0) or at every other row (r . x < 0); the first maximum is row 5 or row 0."""
+    lm_head = head.lm_head
+    weight = lm_head.weight if isinstance(lm_head, torch.nn.Linear) else None
+    Vd, H = (weight.shape if weight is not None else (lm_head.out_features, lm_head.in_features))
+    r = torch.randn(H, generator=torch.Generator().manual_seed(5))
+    w = -r.expand(Vd, H).clone()
+    w[5] = w[7] = r
+    with torch.no_grad():
+        if weight is not None:
+            weight.copy_(w.to(weight.dtype))
+        else:
+            lm_head.qweight.copy_(eagle_kernels.quant.quantize(w.to(torch.bfloat16), lm_head.qtype))
+
+
+def test_tied_draft_logits_draft_their_first_maximum(llm, monkeypatch):
+    """The one call's vector top-1 picks the first of equal maxima, as the op-by-op forward's max does."""
+    greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    runs = {}
+    for fused in (True, False):
+        rounds, _ = drafting(llm, CHAIN, fused, monkeypatch)
+        tie_the_draft_logits(llm.decoder.head)
+        runs[fused] = rounds, [s.output_ids for s in llm.generate(PROMPTS, greedy)[0]]
+        monkeypatch.undo()
+    (rounds, outputs), (reference_rounds, reference_outputs) = runs[True], runs[False]
+    assert outputs == reference_outputs
+    drafted = set()
+    for got, want in zip(rounds, reference_rounds, strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (got, want)
+            tokens, sizes = got[0], got[1]
+            drafted |= {t for row, n in zip(tokens.tolist(), sizes.tolist()) for t in row[1:n]}
+    first = set(llm.decoder.head.to_target(torch.tensor([0, 5])).tolist())
+    assert drafted and drafted <= first, (drafted, first)
+
+
 def test_bad_arguments_get_a_clear_error(llm, monkeypatch):
     captured = []
     llm.set_method("eagle3", CHAIN)
