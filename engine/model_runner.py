@@ -196,8 +196,9 @@ class Staging:
 class StepGraph:
     """One fixed-shape step: a static int32 metadata buffer, static named inputs and the outputs of `fn`.
     `run` fills the buffers (one host copy for the metadata, and the token ids with `host_ids`; device copies
-    for the inputs) and replays the captured CUDA graph, or calls `fn` eagerly where graphs are off; outputs
-    are the same tensors each time."""
+    for the inputs, except that an eager step without padding reads a contiguous input of the buffer's shape
+    where the caller has it) and replays the captured CUDA graph, or calls `fn` eagerly where graphs are off;
+    outputs are the same tensors each time."""
 
     def __init__(self, runner: ModelRunner, plan: StepPlan, fn: Callable, inputs: dict[str, tuple],
                  host_ids: bool = False):
@@ -208,8 +209,9 @@ class StepGraph:
         self.meta, self.positions, self.ids = runner._views(self.buf, plan, with_ids=host_ids)
         self.slots = self.meta.slot_mapping                  # int32 view of buf; widened by run()
         self.meta.slot_mapping = torch.zeros(self.slots.shape, dtype=torch.int64, device=runner.device)
-        self.inputs = {k: torch.full(spec[0], spec[2] if len(spec) > 2 else 0, dtype=spec[1], device=runner.device)
+        self.static = {k: torch.full(spec[0], spec[2] if len(spec) > 2 else 0, dtype=spec[1], device=runner.device)
                        for k, spec in inputs.items()}
+        self.inputs = dict(self.static)  # what fn reads: the static buffers (or, eager, the callers' own tensors)
         if "tree_mask" in self.inputs:  # rows no caller fills (padded sequences) see themselves
             mask = self.inputs["tree_mask"]
             n = mask.shape[0] // len(plan.counts)
@@ -224,8 +226,13 @@ class StepGraph:
         self.runner._staging.to_device(self.runner._plan_ints(plan, ids), out=self.buf)
         self.meta.slot_mapping.copy_(self.slots)
         for k, v in inputs.items():  # the first rows: padded ones keep what they hold
-            dst = self.inputs[k]
-            (dst if v.shape[0] == dst.shape[0] else dst[:v.shape[0]]).copy_(v, non_blocking=True)
+            dst = self.static[k]
+            if (not self.runner.cuda_graphs and v.shape == dst.shape and v.dtype == dst.dtype
+                    and v.is_contiguous() and dst is not self.meta.tree_mask):
+                self.inputs[k] = v  # eager and unpadded: the caller's tensor serves as it is, no copy op
+            else:
+                (dst if v.shape[0] == dst.shape[0] else dst[:v.shape[0]]).copy_(v, non_blocking=True)
+                self.inputs[k] = dst
         if not self.runner.cuda_graphs:
             self.out = self.fn(self)
         elif self.cuda_graph is None:
