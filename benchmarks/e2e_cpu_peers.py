@@ -46,20 +46,9 @@ import torch
 from engine.llm import LLM
 from engine.loader import resolve_model
 from engine.scheduler import SamplingParams
+from train.data import MT_BENCH_STYLE
 
-PROMPTS = [
-    "Write a short blog post about a weekend trip to a small mountain village, with two things to see and one dish to try.",
-    "Pretend you are a ship's captain in the 1700s. Describe the morning you first spot an unknown island.",
-    "A farmer has 17 sheep. All but 9 run away. How many sheep are left? Explain your reasoning step by step.",
-    "Solve for x: 3x + 7 = 2x - 5. Then check your answer by substituting it back.",
-    "Write a Python function that returns the n-th Fibonacci number iteratively, and explain its complexity.",
-    "Extract the names and years from this text as a list: 'Ada Lovelace published her notes in 1843; "
-    "Alan Turing wrote his paper in 1936.'",
-    "Explain why the sky is blue to a high school student, in two paragraphs.",
-    "What were the main causes of the French Revolution? Give three and explain each briefly.",
-    "Compose a polite email to a colleague asking to move our Tuesday meeting to Thursday afternoon.",
-    "Describe how a hash table works and when you would choose one over a sorted list.",
-]
+PROMPTS = MT_BENCH_STYLE  # ten MT-bench-style chat prompts (train/data.py)
 
 
 class Engine:

@@ -108,6 +108,8 @@ print("train:", {k: t.get(k) for k in ("steps", "seconds")}, "split (s):", (t.ge
       "last acc:", (t.get("last") or {}).get("acc"))
 print("n-alpha:", e.get("n_alpha"), "chain tau:", e.get("chain", {}).get("tau"),
       "tree tau:", e.get("tree", {}).get("tau"))
+m = e.get("mt_bench_style", {})
+print("MT-bench-style n-alpha:", m.get("n_alpha"), "chain accept len:", m.get("n_alpha_chain_accept_len"))
 EOF
 fi
 logs=$(cd "$OUT" && ls build.log bad_args.log train.log 2>/dev/null)  # one file: a call returns at most 8

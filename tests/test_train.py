@@ -306,6 +306,11 @@ def test_pipeline_killed_and_resumed_ends_with_an_evaluated_official_head(eagle3
     e = json.loads((out / "eval.json").read_text())
     assert e["kind"] == "eagle3" and len(e["n_alpha"]) == 3 and all(0 <= a <= 1 for a in e["n_alpha"])
     assert e["n_alpha_counts"][0] > 0 and e["train"]["steps"] == killed_at + 3
+    mt = e["mt_bench_style"]  # the second held-out set: the MT-bench-style prompts' greedy replies
+    assert mt["prompts"] == len(data.MT_BENCH_STYLE) and len(mt["n_alpha"]) == 3
+    assert all(0 <= a <= 1 for a in mt["n_alpha"]) and mt["n_alpha_counts"][0] > 0
+    assert abs(mt["n_alpha_chain_accept_len"] - evaluate.chain_accept_length(mt["n_alpha"])) < 2e-3  # alpha rounded
+    assert mt["chain"]["same_as_vanilla"] and mt["chain"]["tau"] >= 1 and mt["chain"]["rounds"] > 0
     from engine.device import defaults
     for run, shape in (("chain", [3, 1, 4]), ("tree", list(defaults(torch.device("cpu")).tree))):  # the CPU default
         assert e[run]["shape"] == shape and e[run]["same_as_vanilla"] and e[run]["tau"] >= 1

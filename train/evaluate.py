@@ -6,9 +6,14 @@
   verify round), acceptance by depth, decode tokens/s and the speedup over vanilla, whether the output
   equals vanilla's (it must);
 - n-alpha: chain-draft acceptance with n self-predicted inputs (EAGLE's n-alpha) on the target's own
-  greedy replies, teacher-forced, with target features from the engine's forward.
+  greedy replies, teacher-forced, with target features from the engine's forward;
+- where the caller passes them, the MT-bench-style prompts (train.data.MT_BENCH_STYLE: issue 23 item 3's set):
+  the chain's tau on them and n-alpha on their greedy replies ("mt_bench_style").
 
     python -m train.evaluate --compare runs/e1 runs/e3 --png runs/e1_vs_e3.png   # n-alpha by step, one plot
+    python -m train.evaluate --heads engine/heads/smollm2-135m-eagle3 runs/new/train/head [--prompts 20]
+        # heads side by side on the served target (this machine, default weights): held-out ShareGPT and the
+        # MT-bench-style prompts, the chain of 3 and the 3/2/6 tree
 """
 from __future__ import annotations
 
@@ -76,8 +81,10 @@ def decode(llm, prompts: list[list[int]], max_new_tokens: int, method: str, meth
 
 def evaluate(llm, head_dir: str | Path, kind: str, prompts: list[list[int]], max_new_tokens: int,
              chain_depth: int, tree: tuple[int, int, int], alpha_steps: int, seq_len: int = 2048,
-             progress: bool = False) -> dict:
-    """-> eval.json's content (see the module docstring). Leaves `llm` on vanilla decoding."""
+             progress: bool = False, mt_prompts: list[list[int]] = ()) -> dict:
+    """-> eval.json's content (see the module docstring); with `mt_prompts` (train.data.MT_BENCH_STYLE's, as
+    chat ids) also their n-alpha on the target's greedy replies ("mt_bench_style"). Leaves `llm` on vanilla
+    decoding."""
     if not prompts:
         raise ValueError("no held-out prompt to evaluate on (all longer than --max-prompt?)")
     head_dir = str(head_dir)
@@ -99,9 +106,23 @@ def evaluate(llm, head_dir: str | Path, kind: str, prompts: list[list[int]], max
     features = TargetFeatures(llm, head.capture)
     seqs = [(p + o, len(p)) for p, o in zip(prompts, ref) if o]
     alpha, counts = n_alpha_on(head, features, seqs, alpha_steps, seq_len)
+    extra = {}
+    if mt_prompts:  # their greedy replies (vanilla), the chain's acceptance on them, and n-alpha
+        mt_ref, _ = decode(llm, list(mt_prompts), max_new_tokens, "vanilla")
+        try:
+            mt_outs, mt_chain = decode(llm, list(mt_prompts), max_new_tokens, kind,
+                                       {"head": head_dir, "depth": chain_depth, "topk": 1, "tree_tokens": chain_depth + 1})
+        finally:
+            llm.set_method("vanilla")
+        mt_seqs = [(p + o, len(p)) for p, o in zip(mt_prompts, mt_ref) if o]
+        mt_alpha, mt_counts = n_alpha_on(head, features, mt_seqs, alpha_steps, seq_len)
+        extra["mt_bench_style"] = {
+            "prompts": len(mt_prompts), "n_alpha": [round(a, 4) for a in mt_alpha], "n_alpha_counts": mt_counts,
+            "n_alpha_chain_accept_len": round(chain_accept_length(mt_alpha[:chain_depth]), 3),
+            "chain": {k: mt_chain[k] for k in ("tau", "rounds", "accept_by_depth")} | {"same_as_vanilla": mt_outs == mt_ref}}
     return {"kind": kind, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
             "n_alpha": [round(a, 4) for a in alpha], "n_alpha_counts": counts,
-            "n_alpha_chain_accept_len": round(chain_accept_length(alpha[:chain_depth]), 3), **runs}
+            "n_alpha_chain_accept_len": round(chain_accept_length(alpha[:chain_depth]), 3), **extra, **runs}
 
 
 def plot(evals: dict[str, dict], png: str | Path):
@@ -130,12 +151,47 @@ def plot(evals: dict[str, dict], png: str | Path):
     plt.close(fig)
 
 
+def evaluate_heads(heads: list[str], n_prompts: int, tokens: int, max_prompt: int = 1024) -> dict[str, dict]:
+    """Each head directory evaluated on the target as served here (the default model and weights, one LLM for
+    all, so their numbers compare): evaluate() on `n_prompts` held-out ShareGPT prompts and on the
+    MT-bench-style ones, a chain of 3 and the 3/2/6 tree. -> {head: eval dict}."""
+    from engine.llm import LLM
+    from .data import MT_BENCH_STYLE
+    from .pipeline import heldout_ids
+    llm = LLM()
+    prompts = heldout_ids(llm, n_prompts, max_prompt)
+    mt = [llm.chat_ids(p) for p in MT_BENCH_STYLE]
+    return {h: evaluate(llm, h, "eagle3", prompts, tokens, 3, (3, 2, 6), 4, mt_prompts=mt) for h in heads}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Compare trained heads: n-alpha by step and decoding acceptance, "
-                                            "from the eval.json of pipeline runs, in one PNG.")
-    p.add_argument("--compare", nargs="+", required=True, metavar="RUN", help="pipeline output directories")
-    p.add_argument("--png", required=True)
+                                            "from the eval.json of pipeline runs (--compare, one PNG), or "
+                                            "evaluated here side by side (--heads).")
+    p.add_argument("--compare", nargs="+", metavar="RUN", help="pipeline output directories")
+    p.add_argument("--png")
+    p.add_argument("--heads", nargs="+", metavar="DIR", help="EAGLE-3 head directories to evaluate here")
+    p.add_argument("--prompts", type=int, default=20, help="held-out ShareGPT prompts (--heads)")
+    p.add_argument("--tokens", type=int, default=128, help="greedy tokens a prompt (--heads)")
+    p.add_argument("--json", help="--heads: write every evaluation here")
     args = p.parse_args(argv)
+    if bool(args.compare) == bool(args.heads) or (args.compare and not args.png):
+        p.error("give either --compare RUN ... --png PNG, or --heads DIR ...")
+    if args.heads:
+        missing = [h for h in args.heads if not (Path(h) / "config.json").exists()]
+        if missing:
+            print(f"error: no head (config.json) in {', '.join(missing)}", file=sys.stderr)
+            return 2
+        evals = evaluate_heads(args.heads, args.prompts, args.tokens)
+        for head, e in evals.items():
+            mt = e["mt_bench_style"]
+            print(json.dumps({"head": head, "sharegpt": {"n_alpha": e["n_alpha"], "chain_tau": e["chain"]["tau"],
+                                                         "tree_tau": e["tree"]["tau"]},
+                              "mt_bench_style": {"n_alpha": mt["n_alpha"], "chain_tau": mt["chain"]["tau"]},
+                              "same_as_vanilla": all(r["same_as_vanilla"] for r in (e["chain"], e["tree"], mt["chain"]))}))
+        if args.json:
+            Path(args.json).write_text(json.dumps(evals, indent=1) + "\n")
+        return 0
     evals = {}
     for run in args.compare:
         path = Path(run) / "eval.json"

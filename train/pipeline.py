@@ -12,7 +12,8 @@
    most frequent reply tokens (train/trainer.py, train/ttt.py); checkpoints in <out>/train/.
 3. export: <out>/train/head/, the official format (config.json + model.safetensors), with each checkpoint.
 4. evaluate: held-out ShareGPT prompts, greedy: n-alpha by step, chain and tree acceptance length and
-   speed with the engine's speculative decoding -> <out>/eval.json and <out>/eval.png (train/evaluate.py).
+   speed with the engine's speculative decoding, and n-alpha on the MT-bench-style prompts -> <out>/eval.json
+   and <out>/eval.png (train/evaluate.py).
 
 Budget: --minutes of stage work (loading the target aside): replies up to 30% (`--replies-share`; no new
 chunk of prompts starts after it), training up to 85% less what replies used (steps = --steps, or what fits, measured on the
@@ -258,7 +259,8 @@ def run(args, llm=None) -> dict:
         t0 = time.monotonic()
         result = evaluate.evaluate(llm, out / "train" / "head", args.head, prompts, args.eval_tokens,
                                    args.chain_depth, args.tree or defaults(device).tree,
-                                   args.alpha_steps, args.seq_len, progress=not args.quiet)
+                                   args.alpha_steps, args.seq_len, progress=not args.quiet,
+                                   mt_prompts=[llm.chat_ids(p) for p in data.MT_BENCH_STYLE])
         result.update(device=str(device), model=args.model, replies={
             "prompts": state.get("prompts"), "sequences": state["sequences"], "reply_tokens": state["reply_tokens"],
             "seconds": round(state["replies_s"], 1), "from": state["replies_from"]}, train={"steps": state.get("train_steps"),
