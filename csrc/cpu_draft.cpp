@@ -105,9 +105,7 @@ struct Head {
   }
 };
 
-// Row b's largest logit as fp32 (best[b]) and its index (top[b]), as at::max over the fp32 logits picks them:
-// the first of equal maxima, the first NaN if there is one. In place of at::max and a widened copy of the
-// logits: two ATen calls a level whose dispatch cost more than the scan, run cold after the target's step.
+// One row's largest value and the index of its first occurrence, or of its first NaN.
 template <typename T>
 void top1_row_scalar(const T* x, int64_t V, float* best, int64_t* top) {
   float m = -std::numeric_limits<float>::infinity();
@@ -158,6 +156,9 @@ EAGLE_AVX2 void top1_row_avx2(const T* x, int64_t V, float* best, int64_t* top) 
 }
 #endif
 
+// Row b's largest logit as fp32 (best[b]) and its index (top[b]), as at::max over the fp32 logits picks them:
+// the first of equal maxima, the first NaN if there is one. In place of at::max and a widened copy of the
+// logits: two ATen calls a level whose dispatch cost more than the scan, run cold after the target's step.
 template <typename T>
 void top1_rows(const at::Tensor& logits, float* best, int64_t* top) {
   const int64_t B = logits.size(0), V = logits.size(1);
