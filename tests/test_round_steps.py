@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.decoding import SpeculativeDecoder
-from engine.model_runner import ModelRunner, StepGraph
+from engine.model_runner import ModelRunner, StepGraph, StepPlan
 from engine.sampler import Sampler
 from engine.scheduler import SamplingParams, Scheduler, Sequence
 from engine.trees import Tree
@@ -189,3 +189,30 @@ def test_fused_verify_moves_accepted_paths_like_the_reference(bucketed):
     assert keys == [{"verify"}, {"verify_greedy"}]
     pool = slice(0, runner.num_blocks)  # the scratch block holds garbage by design
     assert torch.equal(rigs[0][0].kv[:, :, pool], rigs[1][0].kv[:, :, pool])
+
+
+@pytest.mark.parametrize("bucketed", [False, True], ids=["exact", "buckets"])
+def test_step_inputs_are_read_in_place_only_where_nothing_is_padded(bucketed):
+    """An eager step without padding reads a contiguous input where the caller has it; a padded one (or a
+    non-contiguous input) is copied into the step's static buffer, whose padded rows keep their fill, and a
+    caller's tensor read in place earlier is never written."""
+    model, cfg = tiny_target()
+    runner = ModelRunner(model, cfg, torch.float32, torch.device("cpu"), 64, 4, 128)
+    runner.bucketed = bucketed
+    B = 3
+    Bp = runner.batch_rows(B)
+    plan = StepPlan([[0], [1], [2]], [0, 0, 0], [1, 1, 1]).padded(Bp)
+    seen = []
+    g = runner.graph({}, ("inputs", Bp), plan, lambda g: seen.append(g.inputs["x"]) or g.inputs["x"].sum(),
+                     {"x": ((Bp, 2), torch.int64, -1)})
+    a = torch.arange(2 * B).view(B, 2)
+    g.run(plan, x=a)
+    if Bp == B:
+        assert seen[-1] is a
+    else:
+        assert seen[-1] is g.static["x"] and torch.equal(seen[-1][:B], a) and (seen[-1][B:] == -1).all()
+    kept = a.clone()
+    b = torch.arange(100, 100 + 4 * B).view(B, 4)[:, ::2]  # [B, 2], not contiguous
+    g.run(plan, x=b)
+    assert seen[-1] is g.static["x"] and torch.equal(seen[-1][:B], b) and torch.equal(a, kept)
+    assert Bp == B or (seen[-1][B:] == -1).all()
