@@ -55,8 +55,8 @@ struct Head {
 
   // One head step over rows (ids, hidden, positions) -> the layer's output [rows, H]. The layer's input row is
   // [rms_norm(embedding), rms_norm(hidden)], each half normed in place by the row kernel rms_norm runs (the same
-  // bits as two rms_norm ops and a cat, without their three tensors and dispatch: this runs cold after the
-  // target's step, where every op costs several times its hot time).
+  // bits as two rms_norm ops and a cat, without their three tensors and dispatches, each slow right after the
+  // target's step).
   at::Tensor step(const at::Tensor& ids, const at::Tensor& hidden_in, const at::Tensor& positions,
                   const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                   const at::Tensor& prefix_lens) const {
