@@ -249,6 +249,26 @@ def test_rebuild_vocab_flag(tmp_path):
     assert torch.equal(c.lm_head.weight, d.lm_head.weight)
 
 
+def test_time_budget_is_spent_after_a_slow_start(tmp_path):
+    """The step count follows the pace as it settles: first steps slowed (a cold page cache under the replies,
+    a GPU's warm-up) do not end the run early. (Paced once, over the first PACE_STEPS steps, an H200 run
+    stopped at a sixth of its budget.)"""
+    model, seqs = tiny_target(), tiny_seqs()
+    args = args_for(tmp_path / "run", "--save-every", "1000")
+    features, calls = tiny_features(model, model.cfg.eagle3_layers), []
+
+    def slow_start(rows):
+        calls.append(None)
+        if len(calls) <= 1 + PACE_STEPS:
+            time.sleep(0.3)
+        return features(rows)
+
+    train(args, model, slow_start, seqs, args.out, budget_s=2.0)
+    st = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["state"]
+    # paced once it would stop near 1.2 s + two fast steps
+    assert st["elapsed"] >= 1.7 and st["step"] == st["total"] or st["elapsed"] >= 2.0
+
+
 def test_time_budget_sets_the_step_count_and_ends_the_schedule(tmp_path):
     model, seqs = tiny_target(), tiny_seqs()
     args = args_for(tmp_path / "run", "--save-every", "1000", "--min-lr-ratio", "0.1")

@@ -242,7 +242,12 @@ def train(args, target, features: TargetFeatures, seqs: list[Seq], out: str | Pa
                dynamic_ncols=True, desc=f"train {head.kind}")
     state["train_dtype"] = train_dtype(args.train_dtype, device)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=state["train_dtype"] == "bfloat16")
-    rec, start, paced = {}, state["step"], None
+    rec, start = {}, state["step"]
+    # With a time budget the step count (and so the cosine's end) follows the measured pace: first after
+    # PACE_STEPS steps, then again over windows that double, and whenever the count is reached, so that slow
+    # first steps (a cold page cache under the replies, the GPU's warm-up) do not end the run early.
+    paced = budget_s is not None and not state["total"]
+    window, next_pace = None, start + 1 + PACE_STEPS  # window: (step, elapsed) where the pace's window began
     split = StepSplit(device)
     while not (state["total"] and state["step"] >= state["total"]):
         if budget_s is not None and state["elapsed"] >= budget_s:
@@ -277,12 +282,13 @@ def train(args, target, features: TargetFeatures, seqs: list[Seq], out: str | Pa
         state["batch"] += 1
         # the slowest rank's time: every rank fixes the same step count and stops at the same step
         state["elapsed"] += distributed.reduce([time.monotonic() - t0], "max")[0]
-        if state["step"] - start == 1:
-            paced = state["elapsed"]
-        elif not state["total"] and state["step"] - start == 1 + PACE_STEPS:
-            pace = (state["elapsed"] - paced) / PACE_STEPS
+        if paced and state["step"] - start == 1:
+            window = (state["step"], state["elapsed"])
+        elif paced and state["step"] in (next_pace, state["total"]):
+            pace = (state["elapsed"] - window[1]) / (state["step"] - window[0])
             state["total"] = state["step"] + max(0, int((budget_s - state["elapsed"]) / pace))
             bar.total = state["total"]
+            window, next_pace = (state["step"], state["elapsed"]), 2 * state["step"] - start - 1
         rec = {"step": state["step"], "epoch": state["epoch"], "loss": round(loss, 5),
                "acc": [round(a, 4) for a in acc.tolist()], "n": n.tolist(), "lr": g["lr"],
                "gnorm": round(gnorm, 4), "elapsed": round(state["elapsed"], 2), "split": split.seconds()}
