@@ -156,13 +156,18 @@ at::Tensor one_region(at::Tensor& hidden, at::TensorList weights, at::IntArrayRe
   const int64_t L = static_cast<int64_t>(kv.size()) / 2, T = hidden.size(0), H = hidden.size(1);
   const int64_t Hkv = kv[0].size(2), D = kv[0].size(3), Nqkv = (Hq + 2 * Hkv) * D, I = weights[4].size(0) * kGroup / 2;
   const float eps = static_cast<float>(eps_d);
+  // The step's temporaries, side by side in the calling thread's buffer (each 64-byte aligned): x, qkv, q, attn,
+  // o, gate_up, act, delta.
+  const int64_t sizes[] = {T * H, T * Nqkv, T * Hq * D, T * Hq * D, T * H, T * 2 * I, T * I, T * H};
+  int64_t offsets[9] = {0};
+  for (int k = 0; k < 8; ++k) offsets[k + 1] = offsets[k] + (sizes[k] + 31) / 32 * 32;
+  BFloat16* base = eagle::cpu::thread_buffer(eagle::cpu::Buffer::kStack, {offsets[8]}, at::kBFloat16).data_ptr<BFloat16>();
+  BFloat16 *hp = hidden.data_ptr<BFloat16>(), *xp = base + offsets[0], *qkvp = base + offsets[1], *qp = base + offsets[2],
+           *attnp = base + offsets[3], *op = base + offsets[4], *gup = base + offsets[5], *actp = base + offsets[6],
+           *dp = base + offsets[7];
   const auto opts = hidden.options();
-  at::Tensor x = at::empty({T, H}, opts), qkv = at::empty({T, Nqkv}, opts), q = at::empty({T, Hq, D}, opts),
-             attn = at::empty({T, Hq, D}, opts), o = at::empty({T, H}, opts), gate_up = at::empty({T, 2 * I}, opts),
-             act = at::empty({T, I}, opts), delta = at::empty({T, H}, opts);
-  BFloat16 *hp = hidden.data_ptr<BFloat16>(), *xp = x.data_ptr<BFloat16>(), *qkvp = qkv.data_ptr<BFloat16>(),
-           *qp = q.data_ptr<BFloat16>(), *attnp = attn.data_ptr<BFloat16>(), *op = o.data_ptr<BFloat16>(),
-           *gup = gate_up.data_ptr<BFloat16>(), *actp = act.data_ptr<BFloat16>(), *dp = delta.data_ptr<BFloat16>();
+  const at::Tensor q = at::from_blob(qp, {T, Hq, D}, opts), delta = at::from_blob(dp, {T, H}, opts);
+  at::Tensor attn = at::from_blob(attnp, {T, Hq, D}, opts);
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const BFloat16* x0 = first_input.has_value() ? first_input->data_ptr<BFloat16>() : nullptr;
   const int64_t K0 = first_input.has_value() ? first_input->size(1) : H;
@@ -249,6 +254,14 @@ at::Tensor one_region(at::Tensor& hidden, at::TensorList weights, at::IntArrayRe
 
 namespace eagle::cpu {
 
+at::Tensor thread_buffer(Buffer slot, at::IntArrayRef sizes, at::ScalarType dtype) {
+  thread_local std::vector<at::Tensor> buffers(static_cast<size_t>(Buffer::kCount));
+  at::Tensor& buffer = buffers[static_cast<size_t>(slot)];
+  const int64_t bytes = c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype));
+  if (!buffer.defined() || buffer.numel() < bytes) buffer = at::empty({std::max<int64_t>(bytes, 64)}, at::kByte);
+  return at::from_blob(buffer.data_ptr(), sizes, at::TensorOptions().dtype(dtype));
+}
+
 // -> (final_norm(hidden after the last layer) [T, H], the inputs of the layers in `capture`; none when
 // `capture_into` [slots, capture.size() * H] is given: the inputs are written there instead, side by side,
 // row slot_mapping[t] for token t, the same bf16 values). hidden [T, H]: the embeddings; it carries the
@@ -259,6 +272,18 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
     const at::Tensor& cu_seqlens_q, const at::Tensor& prefix_lens, const c10::optional<at::Tensor>& tree_mask,
     int64_t num_q_heads, at::IntArrayRef capture, const c10::optional<at::Tensor>& capture_into,
     const c10::optional<at::Tensor>& first_input) {
+  at::Tensor none;
+  return decoder_layers_into(hidden, weights, formats, eps, cos, sin, kv, slot_mapping, block_tables, cu_seqlens_q,
+                             prefix_lens, tree_mask, num_q_heads, capture, capture_into, first_input, none);
+}
+
+// final_out undefined: the final norm in a new tensor.
+std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers_into(
+    at::Tensor& hidden, at::TensorList weights, at::IntArrayRef formats, double eps, const at::Tensor& cos,
+    const at::Tensor& sin, at::TensorList kv, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& prefix_lens, const c10::optional<at::Tensor>& tree_mask,
+    int64_t num_q_heads, at::IntArrayRef capture, const c10::optional<at::Tensor>& capture_into,
+    const c10::optional<at::Tensor>& first_input, at::Tensor& final_out) {
   const int64_t L = static_cast<int64_t>(kv.size()) / 2;
   TORCH_CHECK_VALUE(static_cast<int64_t>(kv.size()) == 2 * L && L > 0, "decoder_layers: kv must hold k and v per layer");
   TORCH_CHECK_VALUE(static_cast<int64_t>(weights.size()) == kPerLayer * L + 1,
@@ -289,11 +314,17 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
   std::vector<at::Tensor> captured;
   if (fits_one_region(hidden, weights, formats, cos, sin, kv, slot_mapping, num_q_heads, capture, slots != nullptr,
                       first_input)) {
-    const eagle::cpu::AttentionTasks tasks(at::empty({T, num_q_heads, kv[0].size(3)}, hidden.options()), kv[0], kv[1],
-                                           block_tables, cu_seqlens_q, prefix_lens, tree_mask, c10::nullopt);
+    const eagle::cpu::AttentionTasks tasks(thread_buffer(Buffer::kStackQ, {T, num_q_heads, kv[0].size(3)}, at::kBFloat16),
+                                           kv[0], kv[1], block_tables, cu_seqlens_q, prefix_lens, tree_mask, c10::nullopt);
     const at::Tensor delta = one_region(hidden, weights, formats, eps, cos, sin, kv, slot_mapping, tasks, num_q_heads,
                                         capture, capture_into, first_input);
-    return {eagle::cpu::rms_norm(delta, weights.back(), eps, hidden), captured};
+    if (!final_out.defined()) return {eagle::cpu::rms_norm(delta, weights.back(), eps, hidden), captured};
+    TORCH_CHECK_VALUE(final_out.sizes() == hidden.sizes() && final_out.scalar_type() == at::kBFloat16 &&
+                          final_out.is_contiguous(), "decoder_layers: final_out must be a contiguous bf16 [T, H]");
+    eagle::cpu::rms_norm_rows(delta.data_ptr<at::BFloat16>(), weights.back().data_ptr<at::BFloat16>(),
+                              hidden.data_ptr<at::BFloat16>(), final_out.data_ptr<at::BFloat16>(), T, H,
+                              static_cast<float>(eps));
+    return {final_out, captured};
   }
   at::Tensor delta;  // the previous layer's MLP output, not yet added to `hidden`
   for (int64_t i = 0; i < L; ++i) {
@@ -317,7 +348,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
     x = eagle::cpu::rms_norm(linear(o.view({T, -1}), w[2], f[1]), w[3], eps, hidden);
     delta = linear(eagle::cpu::silu_and_mul(linear(x, w[4], f[2])), w[5], f[3]);
   }
-  return {eagle::cpu::rms_norm(delta, weights.back(), eps, hidden), captured};
+  at::Tensor normed = eagle::cpu::rms_norm(delta, weights.back(), eps, hidden);
+  if (final_out.defined()) final_out.copy_(normed);
+  return {final_out.defined() ? final_out : normed, captured};
 }
 
 }  // namespace eagle::cpu

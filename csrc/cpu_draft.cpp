@@ -17,6 +17,7 @@
 // drafts, as target ids: id + d2t[id]), parents and depths int32 [B, 1 + N] (node j: j - 1 and j; padding -1
 // and 0), scores fp32 zeros, sizes int32 [B] (1 + the drafts each sequence keeps; N the most kept).
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -53,19 +54,25 @@ struct Head {
         stack{w[kPostNorm], w[kQkv], w[kO], w[kPostNorm], w[kGateUp], w[kDown], w[kPostNorm]},
         formats{f[kQkvFormat], f[kOFormat], f[kGateUpFormat], f[kDownFormat]} {}
 
-  // One head step over rows (ids, hidden, positions) -> the layer's output [rows, H]. The layer's input row is
-  // [rms_norm(embedding), rms_norm(hidden)], each half normed in place by the row kernel rms_norm runs (the same
-  // bits as two rms_norm ops and a cat, without their three tensors and dispatches, each slow right after the
-  // target's step).
-  at::Tensor step(const at::Tensor& ids, const at::Tensor& hidden_in, const at::Tensor& positions,
-                  const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                  const at::Tensor& prefix_lens) const {
-    const at::Tensor emb = f[kEmbedFormat] == 0 ? w[kEmbed].index_select(0, ids)
-                                                : eagle::cpu::embedding_q(ids, w[kEmbed], f[kEmbedFormat], at::kBFloat16);
-    const at::Tensor hidden = hidden_in.contiguous(), in_norm = w[kInputNorm].contiguous(),
-                     hidden_norm = w[kHiddenNorm].contiguous();
+  // One head step over rows (ids, hidden, positions): hidden [rows, H] (a buffer of draft_chain's) updated in place
+  // to the layer's output. The layer's input row is [rms_norm(embedding), rms_norm(hidden)], each half normed in
+  // place by the row kernel rms_norm runs (the same bits as two rms_norm ops and a cat, without their three tensors
+  // and dispatches, each slow right after the target's step). With quantized weights nothing is allocated: the
+  // temporaries live in the thread's buffers.
+  void step(const at::Tensor& ids, at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& slot_mapping,
+            const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& prefix_lens) const {
+    using eagle::cpu::Buffer;
+    using eagle::cpu::thread_buffer;
     const int64_t T = hidden.size(0), H = hidden.size(1);
-    at::Tensor x = at::empty({T, 2 * H}, hidden.options());                                   // [T, 2H]
+    at::Tensor emb;
+    if (f[kEmbedFormat] == 0) {
+      emb = w[kEmbed].index_select(0, ids);
+    } else {
+      emb = thread_buffer(Buffer::kDraftEmbedding, {T, H}, at::kBFloat16);
+      eagle::cpu::embedding_q_into(ids, w[kEmbed], f[kEmbedFormat], emb);
+    }
+    const at::Tensor in_norm = w[kInputNorm].contiguous(), hidden_norm = w[kHiddenNorm].contiguous();
+    const at::Tensor x = thread_buffer(Buffer::kDraftInput, {T, 2 * H}, at::kBFloat16);           // [T, 2H]
     for (int64_t t = 0; t < T; ++t) {
       at::BFloat16* row = x.data_ptr<at::BFloat16>() + t * 2 * H;
       eagle::cpu::rms_norm_rows(emb.data_ptr<at::BFloat16>() + t * H, in_norm.data_ptr<at::BFloat16>(), nullptr, row,
@@ -73,35 +80,53 @@ struct Head {
       eagle::cpu::rms_norm_rows(hidden.data_ptr<at::BFloat16>() + t * H, hidden_norm.data_ptr<at::BFloat16>(),
                                 nullptr, row + H, 1, H, static_cast<float>(eps));
     }
-    at::Tensor out = hidden.clone();  // the residual stream, updated in place to the layer's output
     const auto [c, s] = rope_rows(positions);
-    eagle::cpu::decoder_layers(out, stack, formats, eps, c, s, kv, slot_mapping, block_tables, cu_seqlens_q,
-                               prefix_lens, c10::nullopt, num_q_heads, {}, c10::nullopt, x);
-    return out;
+    at::Tensor unused = thread_buffer(Buffer::kDraftOut, {T, H}, at::kBFloat16);  // the stack's final norm, not needed
+    eagle::cpu::decoder_layers_into(hidden, stack, formats, eps, c, s, kv, slot_mapping, block_tables, cu_seqlens_q,
+                                    prefix_lens, c10::nullopt, num_q_heads, {}, c10::nullopt, x, unused);
   }
 
-  // The rope tables' rows of `positions`, fp32 [T, D] each (a copy of fp32 tables' rows, as index_select makes).
+  // The rope tables' rows of `positions`, widened to fp32 [T, D] each (the values index_select and a cast to fp32
+  // give), in the thread's buffer.
   std::pair<at::Tensor, at::Tensor> rope_rows(const at::Tensor& positions) const {
-    if (cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat || !cos.is_contiguous() ||
-        !sin.is_contiguous())
+    if (cos.scalar_type() != sin.scalar_type() || !cos.is_contiguous() || !sin.is_contiguous())
       return {cos.index_select(0, positions).to(at::kFloat), sin.index_select(0, positions).to(at::kFloat)};
     const at::Tensor pos = positions.contiguous();
     const bool wide = pos.scalar_type() == at::kLong;
     const int64_t T = pos.numel(), D = cos.size(1);
-    at::Tensor rows = at::empty({2, T, D}, cos.options());
+    at::Tensor rows = eagle::cpu::thread_buffer(eagle::cpu::Buffer::kDraftRope, {2, T, D}, at::kFloat);
     float* out = rows.data_ptr<float>();
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t p = wide ? pos.data_ptr<int64_t>()[t] : pos.data_ptr<int32_t>()[t];
-      TORCH_CHECK_VALUE(p >= 0 && p < cos.size(0), "draft_chain: position ", p, " is outside the rope table's ",
-                        cos.size(0), " rows");
-      std::copy_n(cos.data_ptr<float>() + p * D, D, out + t * D);
-      std::copy_n(sin.data_ptr<float>() + p * D, D, out + (T + t) * D);
-    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cos.scalar_type(), "draft_chain_rope", [&] {
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t p = wide ? pos.data_ptr<int64_t>()[t] : pos.data_ptr<int32_t>()[t];
+        TORCH_CHECK_VALUE(p >= 0 && p < cos.size(0), "draft_chain: position ", p, " is outside the rope table's ",
+                          cos.size(0), " rows");
+        const scalar_t *c = cos.data_ptr<scalar_t>() + p * D, *s = sin.data_ptr<scalar_t>() + p * D;
+        for (int64_t i = 0; i < D; ++i) {
+          out[t * D + i] = static_cast<float>(c[i]);
+          out[(T + t) * D + i] = static_cast<float>(s[i]);
+        }
+      }
+    });
     return {rows[0], rows[1]};
   }
 
-  at::Tensor logits(const at::Tensor& out) const {  // [rows, Vd], in the LM head's output dtype (bf16)
-    return linear(eagle::cpu::rms_norm(out, w[kNorm], eps, c10::nullopt), w[kLmHead], f[kLmHeadFormat]);
+  // [rows, Vd], in the LM head's output dtype (bf16); quantized, in the thread's buffer
+  at::Tensor logits(const at::Tensor& out) const {
+    using eagle::cpu::Buffer;
+    using eagle::cpu::thread_buffer;
+    if (f[kLmHeadFormat] == 0 || out.scalar_type() != at::kBFloat16 || !out.is_contiguous() ||
+        w[kNorm].scalar_type() != at::kBFloat16)
+      return linear(eagle::cpu::rms_norm(out, w[kNorm], eps, c10::nullopt), w[kLmHead], f[kLmHeadFormat]);
+    const int64_t B = out.size(0), H = out.size(1);
+    const at::Tensor norm = w[kNorm].contiguous();
+    TORCH_CHECK_VALUE(norm.numel() == H, "draft_chain: the head's norm must be [", H, "]");
+    at::Tensor normed = thread_buffer(Buffer::kDraftNormed, {B, H}, at::kBFloat16);
+    eagle::cpu::rms_norm_rows(out.data_ptr<at::BFloat16>(), norm.data_ptr<at::BFloat16>(), nullptr,
+                              normed.data_ptr<at::BFloat16>(), B, H, static_cast<float>(eps));
+    at::Tensor y = thread_buffer(Buffer::kDraftLogits, {B, w[kLmHead].size(0) * 16}, at::kBFloat16);
+    eagle::cpu::linear_q_into(normed, w[kLmHead], f[kLmHeadFormat], y);
+    return y;
   }
 };
 
@@ -207,8 +232,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_cha
   }
   const Head head(weights, formats, eps, cos, sin, kv, num_q_heads);
   const at::Tensor d2t_host = d2t.to(at::kLong).contiguous();
-  const at::Tensor hidden = linear(features.index_select(0, slot_mapping), weights[kFc], formats[kFcFormat]);  // [T, H]
-  at::Tensor out = head.step(ids, hidden, positions, slot_mapping, block_tables, cu, prefix_lens);  // [T, H]
+  // The residual stream [T, H]: the projected features, then each step's output in place (its own tensor where the
+  // fc weight is dense, else the thread's buffer).
+  const at::Tensor raw = features.index_select(0, slot_mapping);
+  at::Tensor out;
+  if (formats[kFcFormat] == 0 || raw.scalar_type() != at::kBFloat16) {
+    out = linear(raw, weights[kFc], formats[kFcFormat]).contiguous();
+  } else {
+    out = eagle::cpu::thread_buffer(eagle::cpu::Buffer::kDraftHidden, {T, weights[kFc].size(0) * 16}, at::kBFloat16);
+    eagle::cpu::linear_q_into(raw, weights[kFc], formats[kFcFormat], out);
+  }
+  head.step(ids, out, positions, slot_mapping, block_tables, cu, prefix_lens);
   if (T != B) out = out.index_select(0, at::tensor(root_rows, at::kLong));  // the roots' rows (T == B: all of them)
   std::vector<int64_t> lengths(max_levels.begin(), max_levels.end());
   const int64_t levels = *std::max_element(lengths.begin(), lengths.end());
@@ -242,9 +276,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_cha
         step_slots.data_ptr<int64_t>()[b] = block * block_size + p % block_size;
         step_prefix.data_ptr<int32_t>()[b] = static_cast<int32_t>(p);
       }
-      out = head.step(step_ids, out, step_pos, step_slots, block_tables, step_cu, step_prefix);
+      head.step(step_ids, out, step_pos, step_slots, block_tables, step_cu, step_prefix);
     }
-    const at::Tensor logits = head.logits(out).contiguous();                              // [B, Vd]
+    const at::Tensor logits = head.logits(out);                                            // [B, Vd]
     if (logits.scalar_type() == at::kBFloat16) top1_rows<at::BFloat16>(logits, best.data_ptr<float>(), top.data());
     else top1_rows<float>(logits.to(at::kFloat), best.data_ptr<float>(), top.data());
     for (int64_t b = 0; b < B; ++b)  // the draft vocabulary's id -> the target's

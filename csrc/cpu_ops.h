@@ -22,7 +22,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& w);
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                     c10::optional<at::ScalarType> out_dtype = c10::nullopt);
+// linear_q into y, a contiguous bf16 or fp32 CPU [M, N] (y's dtype is the output's)
+void linear_q_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor& y);
 at::Tensor embedding_q(const at::Tensor& ids, const at::Tensor& w, int64_t qtype, at::ScalarType dtype);
+// embedding_q into out, a contiguous bf16 or fp32 CPU [T, K] (out's dtype is the output's)
+void embedding_q_into(const at::Tensor& ids, const at::Tensor& w, int64_t qtype, at::Tensor& out);
 at::Tensor argmax_rows(const at::Tensor& x);  // fp32 [..., V] -> int64 [...]: each row's first maximum (or NaN)
 // The Llama decoder stack in one call (csrc/cpu_decoder.cpp; eagle_kernels/decoder.py has the contract).
 std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
@@ -31,6 +35,21 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
     const at::Tensor& cu_seqlens_q, const at::Tensor& prefix_lens, const c10::optional<at::Tensor>& tree_mask,
     int64_t num_q_heads, at::IntArrayRef capture, const c10::optional<at::Tensor>& capture_into,
     const c10::optional<at::Tensor>& first_input);
+// The same, with the final norm written into `final_out` (a contiguous bf16 [T, H], a thread_buffer view, say) and
+// returned: where the stack runs in one region (quantized weights), a step that allocates nothing once warm.
+std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers_into(
+    at::Tensor& hidden, at::TensorList weights, at::IntArrayRef formats, double eps, const at::Tensor& cos,
+    const at::Tensor& sin, at::TensorList kv, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& prefix_lens, const c10::optional<at::Tensor>& tree_mask,
+    int64_t num_q_heads, at::IntArrayRef capture, const c10::optional<at::Tensor>& capture_into,
+    const c10::optional<at::Tensor>& first_input, at::Tensor& final_out);
+
+// The calling thread's grow-only buffer `slot` seen as a contiguous [sizes] tensor of `dtype` (contents undefined,
+// 64-byte aligned): a step's temporaries without an allocation once the buffer has grown to them. Valid until the
+// thread asks for the same slot again, so a view never leaves the op that took it.
+enum class Buffer { kStack, kStackQ, kDraftHidden, kDraftEmbedding, kDraftInput, kDraftRope, kDraftNormed,
+                    kDraftLogits, kDraftOut, kCount };
+at::Tensor thread_buffer(Buffer slot, at::IntArrayRef sizes, at::ScalarType dtype);
 
 // ---- pieces of those ops, for callers that split a step's work among their own threads (decoder_layers) ----
 // None allocates or throws; each computes exactly what its op computes for the rows / columns / tasks given.

@@ -541,10 +541,21 @@ void compute(const uint8_t* w, int64_t g0, int64_t g1, const QuantX& xq, int64_t
 namespace eagle::cpu {
 
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype, c10::optional<at::ScalarType> out_dtype) {
-  TORCH_CHECK_VALUE(qtype == kQ4_1 || qtype == kQ8_0, "linear_q: qtype must be 3 (Q4_1) or 8 (Q8_0), got ", qtype);
   TORCH_CHECK_VALUE(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
                     "linear_q: x must be a bf16 or fp32 [M, K] tensor");
   const at::ScalarType out = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK_VALUE(out == at::kBFloat16 || out == at::kFloat, "linear_q: out_dtype must be bf16 or fp32");
+  TORCH_CHECK_VALUE(w.dim() == 2, "linear_q: w must be a contiguous uint8 [N / 16, nb * block bytes] tensor");
+  at::Tensor y = at::empty({x.size(0), w.size(0) * kGroup}, x.options().dtype(out));
+  linear_q_into(x, w, qtype, y);
+  return y;
+}
+
+void linear_q_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor& y) {
+  TORCH_CHECK_VALUE(qtype == kQ4_1 || qtype == kQ8_0, "linear_q: qtype must be 3 (Q4_1) or 8 (Q8_0), got ", qtype);
+  TORCH_CHECK_VALUE(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+                    "linear_q: x must be a bf16 or fp32 [M, K] tensor");
+  const at::ScalarType out = y.scalar_type();
   TORCH_CHECK_VALUE(out == at::kBFloat16 || out == at::kFloat, "linear_q: out_dtype must be bf16 or fp32");
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   const bool q4 = qtype == kQ4_1;
@@ -554,8 +565,9 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype, c10
                     "linear_q: w must be a contiguous uint8 [N / 16, ", group_bytes, "] tensor (K = ", K, ")");
   TORCH_CHECK_VALUE(x.device().is_cpu() && w.device().is_cpu(), "linear_q: CPU tensors only");
   const int64_t groups = w.size(0), N = groups * kGroup;
-  at::Tensor y = at::empty({M, N}, x.options().dtype(out));
-  if (M == 0 || N == 0) return y;
+  TORCH_CHECK_VALUE(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.is_contiguous() && y.device().is_cpu(),
+                    "linear_q: the output must be a contiguous CPU [", M, ", ", N, "]");
+  if (M == 0 || N == 0) return;
   const at::Tensor xc = x.contiguous();
   QuantX& xq = scratch();
   if (x.scalar_type() == at::kBFloat16) quantize_rows(xc.data_ptr<at::BFloat16>(), M, K, xq);
@@ -569,7 +581,6 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype, c10
     else if (bf16) compute<false>(wp, g0, g1, xq, M, N, y.data_ptr<at::BFloat16>());
     else compute<false>(wp, g0, g1, xq, M, N, y.data_ptr<float>());
   });
-  return y;
 }
 
 void quantize_activations(const at::BFloat16* x, int64_t M, int64_t K) { quantize_rows(x, M, K, scratch()); }
@@ -589,8 +600,18 @@ void linear_q_groups(const uint8_t* w, int64_t qtype, int64_t M, int64_t N, int6
 
 // Rows `ids` of a quantized [V, K] table (a token's embedding) -> [T, K] in `dtype`: w = d * q (+ m), each an
 // fp32 product (and sum) rounded once to `dtype`, as eagle_kernels.quant.rows computes them.
-at::Tensor embedding_q(const at::Tensor& ids_in, const at::Tensor& w, int64_t qtype, at::ScalarType dtype) {
+at::Tensor embedding_q(const at::Tensor& ids, const at::Tensor& w, int64_t qtype, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(dtype == at::kBFloat16 || dtype == at::kFloat, "embedding_q: dtype must be bf16 or fp32");
+  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.device().is_cpu(), "embedding_q: ids must be a CPU vector");
+  const int64_t bb = qtype == kQ4_1 ? group_block_bytes<true>() : group_block_bytes<false>();
+  at::Tensor out = at::empty({ids.size(0), w.dim() == 2 ? w.size(1) / bb * kBlock : 0}, w.options().dtype(dtype));
+  embedding_q_into(ids, w, qtype, out);
+  return out;
+}
+
+void embedding_q_into(const at::Tensor& ids_in, const at::Tensor& w, int64_t qtype, at::Tensor& out) {
   TORCH_CHECK_VALUE(qtype == kQ4_1 || qtype == kQ8_0, "embedding_q: qtype must be 3 (Q4_1) or 8 (Q8_0), got ", qtype);
+  const at::ScalarType dtype = out.scalar_type();
   TORCH_CHECK_VALUE(dtype == at::kBFloat16 || dtype == at::kFloat, "embedding_q: dtype must be bf16 or fp32");
   const bool q4 = qtype == kQ4_1;
   const int64_t bb = q4 ? group_block_bytes<true>() : group_block_bytes<false>();
@@ -603,8 +624,10 @@ at::Tensor embedding_q(const at::Tensor& ids_in, const at::Tensor& w, int64_t qt
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK_VALUE(id[t] >= 0 && id[t] < V, "embedding_q: ids[", t, "] = ", id[t], " is outside [0, ", V, ")");
   }
-  at::Tensor out = at::empty({T, K}, w.options().dtype(dtype));
-  std::vector<float> row(K);
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == T && out.size(1) == K && out.is_contiguous() && out.device().is_cpu(),
+                    "embedding_q: the output must be a contiguous CPU [", T, ", ", K, "]");
+  thread_local std::vector<float> row;
+  row.resize(K);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t lane = id[t] % kGroup;
     const uint8_t* group = w.data_ptr<uint8_t>() + (id[t] / kGroup) * w.size(1);
@@ -626,7 +649,6 @@ at::Tensor embedding_q(const at::Tensor& ids_in, const at::Tensor& w, int64_t qt
     if (dtype == at::kFloat) std::copy(row.begin(), row.end(), out.data_ptr<float>() + t * K);
     else std::copy(row.begin(), row.end(), out.data_ptr<at::BFloat16>() + t * K);
   }
-  return out;
 }
 
 }  // namespace eagle::cpu

@@ -180,3 +180,31 @@ def test_bad_arguments_get_a_clear_error(llm, monkeypatch):
             eagle_kernels.draft_chain(**{**good, **change})
     with eagle_kernels.unchecked(), pytest.raises(ValueError, match="every sequence must feed"):
         eagle_kernels.draft_chain(**{**good, "cu_seqlens_q": empty})  # the C++ op checks what it indexes by
+
+
+def test_a_level_allocates_nothing(checkpoint, monkeypatch):
+    """With the head's weights quantized, a level of the chain (a head step, its logits and top-1) runs in the
+    thread's buffers: the tensors a call allocates (its inputs' gathers, the chains it returns) are as many for
+    four levels as for one (a step's temporaries as new tensors made ~30 a level)."""
+    from torch.profiler import ProfilerActivity, profile
+    llm = LLM(str(checkpoint), "bfloat16", device="cpu", kv_cache_gb=0.02, block_size=8, max_batch=4, weights="q4")
+    llm.set_method("eagle3", CHAIN)
+    captured, kernel = [], eagle_kernels.draft_chain
+    monkeypatch.setattr(engine.spec_eagle.eagle_kernels, "draft_chain", lambda *a: captured.append(a) or kernel(*a))
+    llm.generate(PROMPTS[:2], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    monkeypatch.undo()
+    args = list(captured[-1])
+
+    def allocations(levels: int) -> list[str]:
+        args[7] = [levels] * len(args[7])  # max_levels
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            tokens = kernel(*args)[0]
+        assert tokens.shape[1] == levels + 1
+        events = prof.events()
+        (op,) = [e for e in events if e.name == "eagle::draft_chain"]
+        return [e.name for e in events if e.self_cpu_memory_usage > 0
+                and op.time_range.start <= e.time_range.start <= op.time_range.end]
+
+    allocations(4)  # the buffers grow to four levels' rows
+    one, four = allocations(1), allocations(4)
+    assert 0 < len(one) == len(four), (one, four)
