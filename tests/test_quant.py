@@ -273,11 +273,16 @@ import sys, torch
 from eagle_kernels import quant
 gen = torch.Generator().manual_seed(4)
 out = []
-for M, K, N in ((1, 576, 4096), (3, 192, 800), (8, 64, 48), (5, 256, 1024)):
+for M, K, N in ((1, 576, 4096), (3, 192, 800), (8, 64, 48), (5, 256, 1024), (2, 320, 2048), (4, 576, 1024),
+                (3, 96, 4000)):
     w = torch.randn(N, K, generator=gen) * 0.05
     if N == 1024:  # a crowd of near-copies: hundreds of rows computed exactly
         w = w[:1] + 0.002 * torch.randn(N, K, generator=gen)
     data = quant.quantize(w, "q8_0")
+    if N == 4000:  # negative scales in about half the (row, block)s: the bounds take the other side there
+        d, _, q = quant._fields(data, "q8_0")
+        flip = torch.rand(d.shape, generator=gen) < 0.5
+        data = quant._pack(torch.where(flip, -d, d), None, torch.where(flip[..., None], -q, q))
     x = torch.randn(M, K, generator=gen).bfloat16() * 4
     if N == 1024:
         x[0] = w[0].bfloat16() * 4
@@ -287,7 +292,8 @@ torch.save(out, sys.argv[1])
 
 
 def test_argmax_q8_same_on_every_instruction_set(tmp_path):
-    """The AVX-512 VNNI and the AVX2 (EAGLE_CPU_AVX512=0) bound kernels pick the same tokens (both exact)."""
+    """The AVX-512 VNNI and the AVX2 (EAGLE_CPU_AVX512=0) bound kernels pick the same tokens (both exact), for
+    1-8 x rows, negative scales among them."""
     results = []
     for i, flags in enumerate(({}, {"EAGLE_CPU_AVX512": "0"})):
         out = tmp_path / f"out{i}.pt"
