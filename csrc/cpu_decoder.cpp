@@ -255,9 +255,11 @@ at::Tensor one_region(at::Tensor& hidden, at::TensorList weights, at::IntArrayRe
 namespace eagle::cpu {
 
 at::Tensor thread_buffer(Buffer slot, at::IntArrayRef sizes, at::ScalarType dtype) {
+  constexpr int64_t kKept = 4 << 20;  // bytes a slot keeps at most: a long prompt's chunk gets a tensor of its own
   thread_local std::vector<at::Tensor> buffers(static_cast<size_t>(Buffer::kCount));
   at::Tensor& buffer = buffers[static_cast<size_t>(slot)];
   const int64_t bytes = c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype));
+  if (bytes > kKept) return at::empty(sizes, at::TensorOptions().dtype(dtype));
   if (!buffer.defined() || buffer.numel() < bytes) buffer = at::empty({std::max<int64_t>(bytes, 64)}, at::kByte);
   return at::from_blob(buffer.data_ptr(), sizes, at::TensorOptions().dtype(dtype));
 }

@@ -46,7 +46,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers_into(
 
 // The calling thread's grow-only buffer `slot` seen as a contiguous [sizes] tensor of `dtype` (contents undefined,
 // 64-byte aligned): a step's temporaries without an allocation once the buffer has grown to them. Valid until the
-// thread asks for the same slot again, so a view never leaves the op that took it.
+// thread asks for the same slot again, so a view never leaves the op that took it. Past 4 MB (a long prompt's
+// chunk) a tensor of its own instead, so a thread keeps no more than a few decode steps' worth.
 enum class Buffer { kStack, kStackQ, kDraftHidden, kDraftEmbedding, kDraftInput, kDraftRope, kDraftNormed,
                     kDraftLogits, kDraftOut, kCount };
 at::Tensor thread_buffer(Buffer slot, at::IntArrayRef sizes, at::ScalarType dtype);
