@@ -161,13 +161,16 @@ at::Tensor one_region(at::Tensor& hidden, at::TensorList weights, at::IntArrayRe
   const int64_t sizes[] = {T * H, T * Nqkv, T * Hq * D, T * Hq * D, T * H, T * 2 * I, T * I, T * H};
   int64_t offsets[9] = {0};
   for (int k = 0; k < 8; ++k) offsets[k + 1] = offsets[k] + (sizes[k] + 31) / 32 * 32;
-  BFloat16* base = eagle::cpu::thread_buffer(eagle::cpu::Buffer::kStack, {offsets[8]}, at::kBFloat16).data_ptr<BFloat16>();
+  // (Views of `scratch`, not raw pointers alone: past the buffers' cap it is a tensor of its own, and delta, returned,
+  // must keep it alive.)
+  const at::Tensor scratch = eagle::cpu::thread_buffer(eagle::cpu::Buffer::kStack, {offsets[8]}, at::kBFloat16);
+  BFloat16* base = scratch.data_ptr<BFloat16>();
   BFloat16 *hp = hidden.data_ptr<BFloat16>(), *xp = base + offsets[0], *qkvp = base + offsets[1], *qp = base + offsets[2],
            *attnp = base + offsets[3], *op = base + offsets[4], *gup = base + offsets[5], *actp = base + offsets[6],
            *dp = base + offsets[7];
-  const auto opts = hidden.options();
-  const at::Tensor q = at::from_blob(qp, {T, Hq, D}, opts), delta = at::from_blob(dp, {T, H}, opts);
-  at::Tensor attn = at::from_blob(attnp, {T, Hq, D}, opts);
+  const at::Tensor q = scratch.narrow(0, offsets[2], T * Hq * D).view({T, Hq, D}),
+                   delta = scratch.narrow(0, offsets[7], T * H).view({T, H});
+  at::Tensor attn = scratch.narrow(0, offsets[3], T * Hq * D).view({T, Hq, D});
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const BFloat16* x0 = first_input.has_value() ? first_input->data_ptr<BFloat16>() : nullptr;
   const int64_t K0 = first_input.has_value() ? first_input->size(1) : H;
@@ -316,8 +319,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers_into(
   std::vector<at::Tensor> captured;
   if (fits_one_region(hidden, weights, formats, cos, sin, kv, slot_mapping, num_q_heads, capture, slots != nullptr,
                       first_input)) {
-    const eagle::cpu::AttentionTasks tasks(thread_buffer(Buffer::kStackQ, {T, num_q_heads, kv[0].size(3)}, at::kBFloat16),
-                                           kv[0], kv[1], block_tables, cu_seqlens_q, prefix_lens, tree_mask, c10::nullopt);
+    const at::Tensor q_shape = thread_buffer(Buffer::kStackQ, {T, num_q_heads, kv[0].size(3)}, at::kBFloat16);
+    const eagle::cpu::AttentionTasks tasks(q_shape, kv[0], kv[1], block_tables, cu_seqlens_q, prefix_lens, tree_mask,
+                                           c10::nullopt);
     const at::Tensor delta = one_region(hidden, weights, formats, eps, cos, sin, kv, slot_mapping, tasks, num_q_heads,
                                         capture, capture_into, first_input);
     if (!final_out.defined()) return {eagle::cpu::rms_norm(delta, weights.back(), eps, hidden), captured};

@@ -102,6 +102,18 @@ def test_decoder_layers_equals_the_per_layer_forward(checkpoint, weights):
         llm.runner.kv.copy_(kv1)  # the step's tokens stay: the next step sees longer prefixes
 
 
+def test_a_step_past_the_thread_buffers_cap(checkpoint):
+    """A step whose temporaries pass what a thread keeps between steps (4 MB: ~2500 tokens of this model) gets
+    tensors of its own, alive while they are read (freed early, the process crashed): the per-layer bits."""
+    llm = LLM(str(checkpoint), "bfloat16", device="cpu", kv_cache_gb=0.05, block_size=8, max_batch=16, weights="q4")
+    seq_ids = list(range(12))
+    for s in seq_ids:
+        llm.scheduler.blocks.allocate(s, 0)
+    (f1, _, kv1), (f2, _, kv2) = both_ways(llm, seq_ids, [230] * 12)
+    assert f1.shape[0] == 2760 and f1.abs().sum() > 0
+    assert torch.equal(f1, f2) and torch.equal(kv1, kv2)
+
+
 @pytest.mark.parametrize("weights", ["q4", "q8_0"])
 def test_decoder_layers_same_bits_on_any_thread_count(checkpoint, weights):
     """Quantized small steps run in one parallel region whose phases split work by thread count: the bits must
