@@ -28,9 +28,14 @@ batch 1), and stops paying once the batch alone fills the device: then d* = 0.
   would outweigh their evidence for long.
 - Cost: round wall times, kept per (batch bucket, d); batches are bucketed by powers of two. Samples taken
   at exactly this batch size are preferred; others in the bucket are scaled per sequence. The estimate is
-  the fastest of the last SAMPLES: contention on a shared machine only ever adds time, and comes in bursts
-  that must not leave a depth played rarely with only slow samples. A round that built a step on a GPU
-  (graph capture, kernel compilation; first-use allocations on a CPU) reports no time.
+  the fastest of the rounds played within the last STALE rounds (below), however many: contention on a
+  shared machine only ever adds time, and comes in bursts that must not leave a depth played rarely with
+  only slow samples, nor make the depth played through a burst look slower than the others. With only its
+  last SAMPLES rounds counted, a burst of ~25 rounds at ~1.8x filled the chain of 2's window; a new request
+  starting as it ended then played one level, its fresh rounds fast against the chain's slow ones, for 143
+  rounds before the chain was timed again (traced on the Zen 4 EPYC, session 36 in benchmarks/RESULTS.md).
+  A round that built a step on a GPU (graph capture, kernel compilation; first-use allocations on a CPU)
+  reports no time.
 - Unmeasured shapes are predicted by one line fitted over the other measured shapes, seconds ~ a + b * rows
   (rows = B * N_d verified tokens); with fewer than two distinct row counts measured there is no
   prediction and the shape is simply tried. A shape measured once counts as the lower of its sample and
@@ -85,7 +90,7 @@ from __future__ import annotations
 
 from collections import deque
 
-SAMPLES = 8         # round times kept per (bucket, depth)
+SAMPLES = 8         # timed rounds that make a depth's window full (those of the last STALE rounds are kept)
 WINDOW = 64         # sequence-rounds the acceptance rates average over
 PRIOR_WEIGHT = 1    # sequence-rounds the optimistic prior (every draft accepted) is worth
 HALF_LIFE = 32      # rounds unobserved after which an acceptance rate's evidence counts half
@@ -180,7 +185,7 @@ class SpeculationPolicy:
                  and (value[d] >= (1 - NOISE) * value[best] or not timed[d] and d in close)]
         if young:  # judged on too few rounds (or none) to rule it out
             return min(young)
-        settled = len(self.samples[k, best]) == SAMPLES  # one volatile sample decides nothing for long
+        settled = len(self.samples[k, best]) >= SAMPLES  # one volatile sample decides nothing for long
         if not close and not far:
             self.held = (batch, best, rounds) if settled else None
             return best
@@ -253,7 +258,7 @@ class SpeculationPolicy:
             self.feed_rate = rate if not self.feed_rate else 0.5 * (self.feed_rate + rate)
         self.tried[k, d], self.rounds = self.rounds, self.rounds + 1
         if seconds is not None:
-            self.samples.setdefault((k, d), deque(maxlen=SAMPLES)).append((batch, seconds, self.rounds))
+            self.samples.setdefault((k, d), deque(maxlen=STALE)).append((batch, seconds, self.rounds))
             self.spent[k] = self.spent.get(k, 0.0) + seconds
         for j in range(1, d + 1):
             reached = [a for a in accepted if a >= j - 1]
