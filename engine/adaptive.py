@@ -28,12 +28,15 @@ batch 1), and stops paying once the batch alone fills the device: then d* = 0.
   would outweigh their evidence for long.
 - Cost: round wall times, kept per (batch bucket, d); batches are bucketed by powers of two. Samples taken
   at exactly this batch size are preferred; others in the bucket are scaled per sequence. The estimate is
-  the fastest of the rounds played within the last STALE rounds (below), however many: contention on a
-  shared machine only ever adds time, and comes in bursts that must not leave a depth played rarely with
-  only slow samples, nor make the depth played through a burst look slower than the others. With only its
-  last SAMPLES rounds counted, a burst of ~25 rounds at ~1.8x filled the chain of 2's window; a new request
-  starting as it ended then played one level, its fresh rounds fast against the chain's slow ones, for 143
-  rounds before the chain was timed again (traced on the Zen 4 EPYC, session 36 in benchmarks/RESULTS.md).
+  the fastest of SAMPLES rounds spread evenly over those played within the last STALE rounds (below), the
+  newest first (all of them where fewer): contention on a shared machine only ever adds time, and comes in
+  bursts that must not leave a depth played rarely with only slow samples, nor make the depth played through
+  a burst look slower than the others; and a depth played every round is judged on as many rounds as one
+  played now and then (the fastest of 64 rounds sits lower than the fastest of 8 of them: the played depth
+  would look better than it is). With only its last SAMPLES rounds counted, a burst of ~25 rounds at ~1.8x
+  filled the chain of 2's window; a new request starting as it ended then played one level, its fresh rounds
+  fast against the chain's slow ones, for 143 rounds before the chain was timed again (traced on the Zen 4
+  EPYC, session 36 in benchmarks/RESULTS.md).
   A round that built a step on a GPU (graph capture, kernel compilation; first-use allocations on a CPU)
   reports no time.
 - Unmeasured shapes are predicted by one line fitted over the other measured shapes, seconds ~ a + b * rows
@@ -217,6 +220,9 @@ class SpeculationPolicy:
         if not every:
             return self.predict(batch * self.tokens[d], exclude=(k, d))
         seen = self.fresh(k, d) or every
+        if len(seen) > SAMPLES:  # SAMPLES of them, spread over the window: the fastest of many is biased low
+            step = -(-len(seen) // SAMPLES)
+            seen = list(seen)[::-1][::step]
         exact = [t for b, t, _ in seen if b == batch]
         est = min(exact or [t * batch / b for b, t, _ in seen])
         if len(every) == 1:
