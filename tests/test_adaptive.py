@@ -304,45 +304,40 @@ def test_a_depth_timed_only_in_a_burst_of_contention_comes_back():
     assert sorted(after)[2] >= 0.4 and sorted(after)[5] >= 0.9, after
 
 
+def requests(seed: int, rounds: int, seconds, accept=(0.6, 0.55), reply: int = 128) -> list[int]:
+    """Batch 1 on a fresh policy, a new request every `reply` rounds; a round's path goes on from depth j - 1 to
+    j with probability accept[j - 1]; seconds(r, d): round r's time at depth d. -> the depths chosen."""
+    policy, rng, chosen = SpeculationPolicy([1, 2, 3]), random.Random(seed), []
+    for r in range(rounds):
+        d = policy.choose(1, fresh=int(r % reply == 0))
+        n = 0
+        while n < d and rng.random() < accept[n]:
+            n += 1
+        policy.observe(1, d, seconds(r, d) * (1 + 0.3 * rng.random()), [n])
+        chosen.append(d)
+    return chosen
+
+
 def test_the_depth_played_through_a_burst_keeps_its_fast_rounds():
-    """Batch 1, the chain of 2 the best (~6% over one level, as on the Zen 4 EPYC): a burst of contention (1.8x
-    for 24 rounds) runs while the chain plays and a new request starts near its end. The chain's rounds from
-    before the burst still count (the fastest of its last STALE rounds is its estimate), so it is played again
-    within a few rounds of the burst. Before, with only its last SAMPLES rounds counted, the burst's filled its
-    window, the new request played one level on fresh fast rounds, and the chain came back after 111-131."""
+    """The chain of 2 the best (~6% over one level, as on the Zen 4 EPYC): a burst of contention (1.8x for 24
+    rounds) runs while the chain plays and a new request starts near its end. The chain's rounds from before the
+    burst still count (its estimate: the fastest of SAMPLES rounds spread over its last STALE), so it is played
+    again within a few rounds of the burst. Before, with only its last SAMPLES rounds counted, the burst's rounds
+    filled its window, the new request played one level on fresh fast rounds, and the chain came back 96-218
+    rounds after the burst in 15 seeds of 20."""
     cost = (0.0029, 0.0034, 0.0036)
-    lost = []
-    for seed in range(20):
-        policy, rng, chosen = SpeculationPolicy([1, 2, 3]), random.Random(seed), []
-        for r in range(400):
-            d = policy.choose(1, fresh=int(r % 128 == 0))
-            n = 0
-            while n < d and rng.random() < (0.6, 0.55)[n]:
-                n += 1
-            policy.observe(1, d, cost[d] * (1.8 if 110 <= r < 134 else 1.0) * (1 + 0.15 * rng.random()), [n])
-            chosen.append(d)
-        lost.append(sum(d != 2 for d in chosen[134:]))
+    lost = [sum(d != 2 for d in requests(seed, 400, lambda r, d: cost[d] * (1.8 if 110 <= r < 134 else 1.0))[134:])
+            for seed in range(20)]
     assert max(lost) <= 20, sorted(lost)
 
 
 def test_the_played_depth_is_judged_on_as_many_rounds_as_the_others():
-    """Batch 1, one level 12% better than the chain of 2, round times up to 30% over their cost. The played
-    depth's estimate is the fastest of SAMPLES of its rounds spread over its fresh window, as many as a depth
-    played now and then has: the fastest of all 64 sat ~3% lower, and the chain, once played, kept the better
-    level out (played in under 10% of the rounds after the first 100) in 11 seeds of 40 (now 4; with only the
-    last 8 rounds, 2)."""
+    """One level 12% better than the chain of 2. The played depth's estimate is the fastest of SAMPLES of its
+    rounds spread over its fresh window, as many as a depth played now and then has: with the fastest of all 64
+    (~3% lower), the chain, once played, kept the better level out (played in under 10% of the rounds after the
+    first 100) in 11 seeds of 40 (now 4; with only the last 8 rounds, 2)."""
     cost = (0.0029, 0.0034, 0.0046)
-    locked = 0
-    for seed in range(40):
-        policy, rng, chosen = SpeculationPolicy([1, 2, 3]), random.Random(seed), []
-        for r in range(600):
-            d = policy.choose(1, fresh=int(r % 128 == 0))
-            n = 0
-            while n < d and rng.random() < (0.6, 0.55)[n]:
-                n += 1
-            policy.observe(1, d, cost[d] * (1 + 0.3 * rng.random()), [n])
-            chosen.append(d)
-        locked += chosen[100:].count(1) < 50
+    locked = sum(requests(seed, 600, lambda r, d: cost[d])[100:].count(1) < 50 for seed in range(40))
     assert locked <= 6, locked
 
 
