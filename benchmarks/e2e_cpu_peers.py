@@ -1,7 +1,8 @@
-"""This engine against its CPU peers on the same GGUF, one request at a time, greedy.
+"""This engine against its CPU peers on the same GGUF, one request at a time, greedy (or sampled).
 
     python benchmarks/e2e_cpu_peers.py [--prompts 10] [--max-tokens 128] [--passes 1] [--threads 2]
-        [--weights auto,bf16] [--no-transformers] [--llama-cpp-bin DIR] [--png benchmarks/plots/e2e_cpu_peers.png]
+        [--weights auto,bf16] [--no-transformers] [--llama-cpp-bin DIR] [--temperature 0]
+        [--png benchmarks/plots/e2e_cpu_peers.png]
 
 Contenders, each in its own process (no shared thread pools or caches between them), alternated prompt by
 prompt (each prompt runs through every contender back to back, in an order that rotates, so load drift on a
@@ -31,7 +32,12 @@ engine's speculative outputs are checked token for token against its vanilla out
 (every pass).
 Prompts: MT-bench-style chat turns (writing, roleplay, reasoning, math, coding, extraction, STEM,
 humanities), written for this benchmark.
+--temperature T > 0 samples instead (plain temperature: no top-k, top-p or min-p, llama.cpp's told the same),
+each prompt with its own seed (the same every pass); the engine's speculative outputs must still equal its
+vanilla's token for token (a sampled token is a keyed draw: engine/sampler.py). llama-cpp-python and
+transformers run greedy only.
 """
+import zlib
 from __future__ import annotations
 
 import argparse
@@ -55,9 +61,10 @@ class Engine:
     """One engine per (weights, method): a method's state (the adaptive policy's timings and acceptance) lives
     on across prompts, as in a server."""
 
-    def __init__(self, model: str, weights: str, threads: int, method: str):
+    def __init__(self, model: str, weights: str, threads: int, method: str, temperature: float = 0.0):
         self.llm = LLM(model, "bfloat16", device="cpu", weights=weights, threads=threads, max_batch=1,
                        kv_cache_gb=0.25, method=method)
+        self.temperature = temperature
         self.rounds, self.reached, self.depths = 0, 0.0, []  # over the timed runs (see `speculation`)
 
     def chat_ids(self, text: str) -> list[int]:
@@ -71,7 +78,8 @@ class Engine:
         """-> (tokens, seconds to the first token, seconds in all)."""
         first = []
         t0 = time.perf_counter()
-        seqs, stats = self.llm.generate([ids], SamplingParams(max_new_tokens=n, ignore_eos=True),
+        params = SamplingParams(self.temperature, max_new_tokens=n, ignore_eos=True, seed=prompt_seed(ids))
+        seqs, stats = self.llm.generate([ids], params,
                                         on_tokens=lambda seq, toks: first or first.append(time.perf_counter()))
         spec = stats.extra
         if spec.get("rounds"):  # a speculative decoder's counters for this run
@@ -111,11 +119,25 @@ class LlamaCpp:
         return out, first - t0, time.perf_counter() - t0
 
 
+def prompt_seed(ids: list[int]) -> int:
+    """A prompt's sampling seed (the same in every pass and contender)."""
+    return zlib.crc32(str(ids).encode())
+
+
+def sampling_flags(temperature: float, text: str) -> list[str]:
+    """llama.cpp's flags for greedy, or for plain temperature sampling seeded per prompt."""
+    if not temperature:
+        return ["--temp", "0"]
+    return ["--temp", str(temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0", "--seed",
+            str(zlib.crc32(text.encode()))]
+
+
 class LlamaCppNative:
     """llama.cpp's own `llama-completion` binary, one run per prompt."""
 
-    def __init__(self, bin_dir: Path, path: Path, threads: int, batch: int):
+    def __init__(self, bin_dir: Path, path: Path, threads: int, batch: int, temperature: float = 0.0):
         self.exe, self.path, self.threads, self.batch = Path(bin_dir) / "llama-completion", path, threads, batch
+        self.temperature = temperature
         if not self.exe.is_file():
             raise ImportError(f"{self.exe} is not built (bash benchmarks/build_llama_cpp.sh)")
 
@@ -125,8 +147,8 @@ class LlamaCppNative:
         import re
         import subprocess
         cmd = [str(self.exe), "-m", str(self.path), "-t", str(self.threads), "-tb", str(self.threads), "-c", "2048",
-               "-n", str(n), "-ub", str(self.batch), "--temp", "0", "--ignore-eos", "-no-cnv", "--no-warmup",
-               "-p", text]
+               "-n", str(n), "-ub", str(self.batch), *sampling_flags(self.temperature, text), "--ignore-eos", "-no-cnv",
+               "--no-warmup", "-p", text]
         done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         # "llama_perf_context_print:" (or, in newer builds, "<time> I common_perf_print:") then the timer
         line = r"^.*?(?:llama_perf_context_print|common_perf_print):\s+"
@@ -144,9 +166,10 @@ class LlamaCppNative:
 class LlamaCppEagle3:
     """llama.cpp's EAGLE-3 drafting (`llama-speculative-simple`) with the shipped head, one run per prompt."""
 
-    def __init__(self, bin_dir: Path, path: Path, threads: int, batch: int, drafts: int):
+    def __init__(self, bin_dir: Path, path: Path, threads: int, batch: int, drafts: int, temperature: float = 0.0):
         self.exe, self.head = Path(bin_dir) / "llama-speculative-simple", Path(bin_dir) / "eagle3-head.gguf"
         self.path, self.threads, self.batch, self.drafts = path, threads, batch, drafts
+        self.temperature = temperature
         for f in (self.exe, self.head):
             if not f.is_file():
                 raise ImportError(f"{f} is not built (bash benchmarks/build_llama_cpp.sh)")
@@ -159,7 +182,7 @@ class LlamaCppEagle3:
         t = str(self.threads)
         cmd = [str(self.exe), "-m", str(self.path), "-md", str(self.head), "--spec-type", "draft-eagle3",
                "--spec-draft-n-max", str(self.drafts), "-t", t, "-tb", t, "-td", t, "-c", "2048", "-n", str(n),
-               "-ub", str(self.batch), "--temp", "0", "--ignore-eos", "-p", text]
+               "-ub", str(self.batch), *sampling_flags(self.temperature, text), "--ignore-eos", "-p", text]
         done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         counters = dict((kind, (int(k), float(s))) for kind, k, s in re.findall(
             r"^.*?(encoded|decoded)\s+(\d+) tokens in\s+([\d.]+) seconds", done.stderr, re.M))
@@ -299,6 +322,8 @@ def main(argv=None):
     p.add_argument("--llama-cpp-bin", help="directory of native llama.cpp binaries (bash "
                    "benchmarks/build_llama_cpp.sh prints it); without it native llama.cpp is left out")
     p.add_argument("--llama-cpp-draft", type=int, default=3, help="native llama.cpp EAGLE-3's drafts a round")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (plain: no top-k / top-p / min-p), a seed per prompt; 0: greedy")
     p.add_argument("--png", default="benchmarks/plots/e2e_cpu_peers.png")
     p.add_argument("--json", default="benchmarks/plots/e2e_cpu_peers.json")
     args = p.parse_args(argv)
@@ -306,28 +331,35 @@ def main(argv=None):
         p.error(f"--prompts must be in 1..{len(PROMPTS)}")
     if args.passes < 1:
         p.error(f"--passes must be >= 1, got {args.passes}")
+    if args.temperature < 0:
+        p.error(f"--temperature must be >= 0, got {args.temperature}")
+    T = args.temperature
     src = resolve_model(args.model)
     if src.kind != "gguf":
         p.error(f"--model must be a GGUF model (llama.cpp reads GGUF), got {src.path}")
     weights, methods = args.weights.split(","), args.methods.split(",")
     if methods[0] != "vanilla" or len(set(methods)) != len(methods):
         p.error(f"--methods must start with vanilla and name each method once, got {args.methods}")
-    workers = {f"engine {m} ({w})": Worker("engine", args.model, w, args.threads, m) for w in weights
+    workers = {f"engine {m} ({w})": Worker("engine", args.model, w, args.threads, m, T) for w in weights
                for m in methods}
     for name, w in workers.items():
         if w.status != "ready":
             sys.exit(f"e2e_cpu_peers: {name}: {w.status}")
-    workers["llama.cpp"] = Worker("llama.cpp", src.path, args.threads, args.llama_cpp_batch)
-    if workers["llama.cpp"].status != "ready":
-        print("llama-cpp-python is not installed (pip install llama-cpp-python): llama.cpp is left out", file=sys.stderr)
-        workers.pop("llama.cpp").close()
+    if T:
+        print("--temperature: llama-cpp-python and transformers (greedy only here) are left out", file=sys.stderr)
+    else:
+        workers["llama.cpp"] = Worker("llama.cpp", src.path, args.threads, args.llama_cpp_batch)
+        if workers["llama.cpp"].status != "ready":
+            print("llama-cpp-python is not installed (pip install llama-cpp-python): llama.cpp is left out",
+                  file=sys.stderr)
+            workers.pop("llama.cpp").close()
     if args.llama_cpp_bin:
-        native = Worker("llama.cpp native", Path(args.llama_cpp_bin), src.path, args.threads, args.llama_cpp_batch)
+        native = Worker("llama.cpp native", Path(args.llama_cpp_bin), src.path, args.threads, args.llama_cpp_batch, T)
         if native.status != "ready":
             sys.exit(f"e2e_cpu_peers: native llama.cpp: {native.status}")
         workers["llama.cpp native"] = native
         eagle3 = Worker("llama.cpp native eagle3", Path(args.llama_cpp_bin), src.path, args.threads,
-                        args.llama_cpp_batch, args.llama_cpp_draft)
+                        args.llama_cpp_batch, args.llama_cpp_draft, T)
         if eagle3.status == "ready":
             workers["llama.cpp native eagle3"] = eagle3
         else:
@@ -336,7 +368,7 @@ def main(argv=None):
     else:
         print("no --llama-cpp-bin: native llama.cpp is left out (bash benchmarks/build_llama_cpp.sh builds it)",
               file=sys.stderr)
-    if not args.no_transformers:
+    if not args.no_transformers and not T:
         workers["transformers"] = Worker("transformers", src.path, args.threads)
     contenders = {name: w.run for name, w in workers.items()}
 
@@ -363,7 +395,8 @@ def main(argv=None):
     vanilla = f"engine vanilla ({weights[0]})"
     refs = [r for r in ("llama.cpp native", "llama.cpp", "llama.cpp native eagle3") if r in contenders]
     med = {n: statistics.median(decode[n]) for n in names}
-    print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens x {args.passes} passes, greedy, {args.threads} "
+    mode = f"sampled at T = {T}" if T else "greedy"
+    print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens x {args.passes} passes, {mode}, {args.threads} "
           f"threads, batch 1; ratios: medians of per-prompt ratios (both ran the prompt back to back)")
     print(f"| contender | decode tok/s | end-to-end tok/s | / {vanilla} (worst prompt) |" +
           "".join(f" / {r} |" for r in refs))
@@ -393,7 +426,7 @@ def main(argv=None):
     for y, n in enumerate(names[::-1]):
         ax.text(med[n], y, f" {med[n]:.0f}", va="center")
     ax.set_xlabel(f"decode tokens/s (median of {len(prompts)} prompts, {args.max_tokens} tokens, {args.threads} threads)")
-    ax.set_title(f"{src.path.name}: greedy, one request at a time")
+    ax.set_title(f"{src.path.name}: {mode}, one request at a time")
     fig.tight_layout()
     fig.savefig(args.png, dpi=120)
     print(f"wrote {args.png}, {args.json}")

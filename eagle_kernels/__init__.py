@@ -12,10 +12,10 @@ from .layer_ops import apply_rope, rms_norm, rope_write_kv, silu_and_mul
 from .linear import linear
 from .quant import embedding_q, linear_q
 from .rejection import greedy_verdict, tree_accept_greedy, tree_accept_sample, verdict_summary
-from .sampling import argmax, sampling_probs
+from .sampling import argmax, sample_keyed, sampling_probs
 from .tree import TreeIndex, build_tree
 
 __all__ = [
-    "linear", "linear_q", "embedding_q", "rms_norm", "silu_and_mul", "apply_rope", "rope_write_kv", "paged_attention", "write_kv", "decoder_layers", "decoder_layers_fit", "draft_chain", "draft_chain_fit", "topk_expand", "sampling_probs", "argmax",
+    "linear", "linear_q", "embedding_q", "rms_norm", "silu_and_mul", "apply_rope", "rope_write_kv", "paged_attention", "write_kv", "decoder_layers", "decoder_layers_fit", "draft_chain", "draft_chain_fit", "topk_expand", "sampling_probs", "sample_keyed", "argmax",
     "build_tree", "TreeIndex", "gpu_path", "triton_on_cpu", "unchecked", "tree_accept_greedy", "tree_accept_sample", "greedy_verdict", "verdict_summary",
 ]

@@ -12,11 +12,12 @@ import numbers
 
 import torch
 
-from ._ops import has_kernel, ops
+from ._ops import gpu_path, has_kernel, ops
 from .expand import topk_low_index_first
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _ARGMAX_CPU = has_kernel("argmax_rows", torch.device("cpu"))
+_KEYED_CPU = has_kernel("sample_keyed", torch.device("cpu"))
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -26,6 +27,54 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if _ARGMAX_CPU and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.shape[-1] > 0:
         return ops().argmax_rows(x)
     return x.max(-1).indices
+
+
+def sample_keyed(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One exact draw a row from probs fp32 [..., V] (rows summing to 1), keyed: the noise is a fixed function
+    of (seeds[...], positions[...], token id) (keyed_uniforms), so the same row, seed and position give the same
+    token whichever step, method or batch draws it. seeds, positions: int64 [...] -> int64 [...].
+    The exponential race argmax_i p_i / E_i, E_i = -log(u_i); CPU: the C++ op (csrc/cpu_sample.cpp, a log only
+    for the few tokens that can win), elsewhere sample_keyed_reference. A NaN row gives its first NaN's index."""
+    lead = probs.shape[:-1]
+    if probs.dtype != torch.float32 or probs.dim() < 1 or probs.shape[-1] == 0:
+        raise ValueError(f"sample_keyed: probs must be fp32 [..., V] with V > 0, got {probs.dtype} {tuple(probs.shape)}")
+    for name, t in (("seeds", seeds), ("positions", positions)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.shape != lead or t.device != probs.device:
+            raise ValueError(f"sample_keyed: {name} must be int64 {tuple(lead)} on {probs.device}")
+    if _KEYED_CPU and probs.device.type == "cpu" and not gpu_path(probs):
+        return ops().sample_keyed(probs, seeds, positions)
+    return sample_keyed_reference(probs, seeds, positions)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """csrc/cpu_sample.cpp's 32-bit hash on int64 tensors holding uint32 values (products wrap in int64; the
+    low 32 bits are kept)."""
+    x = x ^ (x >> 17)
+    x = (x * 0xed5ad4bb) & _M32
+    x = x ^ (x >> 11)
+    x = (x * 0xac4c1b51) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x31848bab) & _M32
+    return x ^ (x >> 14)
+
+
+def keyed_uniforms(seeds: torch.Tensor, positions: torch.Tensor, V: int) -> torch.Tensor:
+    """The draws' uniforms: seeds, positions int64 [...] -> float64 [..., V] in (0, 1), u_i = (h_i + 0.5) 2^-32
+    with h_i = mix(mix(i ^ k0) ^ k1), (k0, k1) from (seed, position) (csrc/cpu_sample.cpp)."""
+    s_lo, s_hi = seeds & _M32, (seeds >> 32) & _M32
+    k0 = _mix((positions & _M32) ^ _mix(s_lo ^ 0x9e3779b9))
+    k1 = _mix(k0 ^ s_hi ^ 0x85ebca6b)
+    i = torch.arange(V, dtype=torch.int64, device=seeds.device)
+    h = _mix(_mix(i ^ k0[..., None]) ^ k1[..., None])
+    return (h.double() + 0.5) * 2.0 ** -32
+
+
+def sample_keyed_reference(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """sample_keyed in torch ops (any device): argmax(p / -log(u)) in float64."""
+    return (probs.double() / -keyed_uniforms(seeds, positions, probs.shape[-1]).log()).max(-1).indices
 
 
 def _fail(msg):

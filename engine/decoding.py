@@ -354,23 +354,30 @@ class SpeculativeDecoder(Decoder):
         return self.model.greedy(feature) if greedy else self.model.logits(feature)
 
     def accept(self, seqs, tree: Tree, logits, draft_probs):
-        """Greedy rows accept while the draft equals the target's argmax; sampled rows by tree rejection
-        sampling. -> accept_path int32 [B, N], accept_len int32 [B], next_token int64 [B]."""
+        """Greedy rows accept while the draft equals the target's argmax. Sampled rows whose drafts are the
+        draft's choices (draft_probs None) accept while the draft equals the target's own keyed draw at each
+        node (Sampler.draw: the token vanilla sampling draws there), so they output what vanilla outputs; drafts
+        drawn from draft distributions (draft_probs) go through tree rejection sampling.
+        -> accept_path int32 [B, N], accept_len int32 [B], next_token int64 [B]."""
         args = (tree.parents, tree.tokens, tree.sizes)
-        path, length, nxt = eagle_kernels.tree_accept_greedy(*args, argmax(logits))
+        target = argmax(logits)                                                              # [B, N]
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
-        if sampled:
-            rows = self.runner.index(sampled)
-            B, N = tree.tokens.shape
-            probs = self.sampler.probs(logits.index_select(0, rows), [seqs[b].params for b in sampled])
-            # A fixed count a round (the widest tree's), whatever this round's width: a request's stream of
-            # draws does not depend on the trees its companions made the round build.
-            uniforms = self.sampler.noise([seqs[b] for b in sampled], (max(N, self.max_tree) + 1,),
-                                          exponential=False)[:, :N + 1]
-            q = None if draft_probs is None else draft_probs.index_select(0, rows)
-            out = eagle_kernels.tree_accept_sample(*(a.index_select(0, rows) for a in args), probs, uniforms, q)
-            path, length, nxt = (t.index_copy(0, rows.long(), o) for t, o in zip((path, length, nxt), out))
-        return path, length, nxt
+        if not sampled:
+            return eagle_kernels.tree_accept_greedy(*args, target)
+        rows = self.runner.index(sampled)
+        B, N = tree.tokens.shape
+        probs = self.sampler.probs(logits.index_select(0, rows), [seqs[b].params for b in sampled])
+        picked = [seqs[b] for b in sampled]
+        if draft_probs is None:
+            drawn = self.sampler.draw(probs, picked, tree.depths.index_select(0, rows).long())   # [R, N]
+            return eagle_kernels.tree_accept_greedy(*args, target.index_copy(0, rows.long(), drawn))
+        path, length, nxt = eagle_kernels.tree_accept_greedy(*args, target)
+        # A fixed count a round (the widest tree's), whatever this round's width: a request's stream of
+        # draws does not depend on the trees its companions made the round build.
+        uniforms = self.sampler.uniforms(picked, (max(N, self.max_tree) + 1,))[:, :N + 1]
+        q = draft_probs.index_select(0, rows)
+        out = eagle_kernels.tree_accept_sample(*(a.index_select(0, rows) for a in args), probs, uniforms, q)
+        return tuple(t.index_copy(0, rows.long(), o) for t, o in zip((path, length, nxt), out))
 
     def keep_path(self, slots: torch.Tensor, path: torch.Tensor):
         """Copy the KV of accepted node path[b, j] (at slots[b, path[b, j]]) to slots[b, j], every layer at

@@ -164,10 +164,9 @@ class LLM:
         return seqs, stats
 
     def reseed(self, seed: int):
-        """Restart the random stream that requests without a seed of their own share: a batch of them is then
-        drawn the same way again (request seeds give independence from the batch, at a random call per
-        request and step)."""
-        self.sampler.generator.manual_seed(seed)
+        """Restart the engine's random stream, which keys the draws of requests without a seed of their own:
+        the same requests, admitted in the same order, then draw the same tokens again."""
+        self.sampler.reseed(seed)
 
     @property
     def has_work(self) -> bool:

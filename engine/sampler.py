@@ -1,10 +1,17 @@
-"""Token sampling without host syncs: argmax for greedy rows, the exponential race for sampled rows.
+"""Token sampling without host syncs: argmax for greedy rows, keyed draws for sampled rows.
 
-argmax(p / E) with E ~ Exp(1) i.i.d. is an exact draw from p (the gpt-fast trick): no cumsum, no
-multinomial, no device->host copy. A request with a seed draws its noise from its own generator, so its
-draws do not depend on what else is in the batch; the others share the engine's generator.
+A sampled token is argmax(p / E) with E ~ Exp(1) i.i.d. (the exponential race, an exact draw from p: no cumsum,
+no multinomial, no device->host copy), and E is a fixed function of (the request's key, the token's position,
+token id) (eagle_kernels.sample_keyed). So a request draws the same token at a position whichever step draws
+it, alone or in any batch: a speculative round that draws the target's token at every tree node (the position
+each node predicts) and walks the tree as greedy verification does outputs exactly what vanilla sampling
+outputs for the same key. The key is the request's seed, or for a request without one a number drawn at its
+first draw from the engine's stream (LLM.reseed restarts it). Rejection sampling's uniforms (drafts that are
+draws from a draft distribution, SpS) come from per-request generators.
 """
 from __future__ import annotations
+
+import random
 
 import numpy as np
 import torch
@@ -18,7 +25,20 @@ class Sampler:
     def __init__(self, seed: int, device: torch.device, runner, eos_ids: tuple[int, ...] = ()):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.keys = random.Random(seed)  # keys of requests without a seed
         self.runner, self.eos_ids = runner, eos_ids
+
+    def reseed(self, seed: int):
+        self.generator.manual_seed(seed)
+        self.keys.seed(seed)
+
+    def key(self, seq: Sequence) -> int:
+        """The seed of a sequence's keyed draws: its params.seed, else one drawn from the engine's stream (kept on
+        the sequence)."""
+        if seq.sample_key is None:
+            seed = seq.params.seed if seq.params.seed is not None else self.keys.getrandbits(62)
+            seq.sample_key = seed & ((1 << 63) - 1)
+        return seq.sample_key
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         if seq.params.seed is None:
@@ -27,13 +47,12 @@ class Sampler:
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
         return seq.generator
 
-    def noise(self, seqs: list[Sequence], shape: tuple[int, ...], exponential: bool) -> torch.Tensor:
-        """[len(seqs), *shape] fp32: Exp(1) or U[0, 1) draws, each row from its sequence's generator."""
-        fill = (lambda t, g: t.exponential_(generator=g)) if exponential else (lambda t, g: t.uniform_(generator=g))
+    def uniforms(self, seqs: list[Sequence], shape: tuple[int, ...]) -> torch.Tensor:
+        """[len(seqs), *shape] fp32 U[0, 1) draws, each row from its sequence's generator."""
         gens = [self._generator(s) for s in seqs]
         if all(g is self.generator for g in gens):
-            return fill(torch.empty(len(seqs), *shape, device=self.device), self.generator)
-        return torch.stack([fill(torch.empty(shape, device=self.device), g) for g in gens])
+            return torch.empty(len(seqs), *shape, device=self.device).uniform_(generator=self.generator)
+        return torch.stack([torch.empty(shape, device=self.device).uniform_(generator=g) for g in gens])
 
     def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Target distributions after temperature / top-k / top-p; logits: [B, ..., V] -> fp32, same shape.
@@ -141,9 +160,20 @@ class Sampler:
         top = lp.topk(k, -1)
         return torch.cat([lp.gather(1, tokens[:, None]), top.indices.float(), top.values], 1)
 
-    def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        # probs: [B, V], one row per sequence -> tokens int64 [B]
-        return argmax(probs / self.noise(seqs, probs.shape[1:], exponential=True))
+    def draw(self, probs: torch.Tensor, seqs: list[Sequence], depths: torch.Tensor | int = 0) -> torch.Tensor:
+        """Keyed draws from probs [B, V] or [B, N, V], sequence b's rows predicting the tokens at num_tokens +
+        depths[b] (depths int [B, N] for [B, N, V], or one int) -> tokens int64 [B] or [B, N]."""
+        B = len(seqs)
+        keys = [self.key(s) for s in seqs]
+        host = ([k & 0xFFFFFFFF for k in keys] + [(k >> 32) & 0x7FFFFFFF for k in keys]
+                + [s.num_tokens + (depths if isinstance(depths, int) else 0) for s in seqs])
+        ints = self.runner.to_device([v - (1 << 32) if v >= 1 << 31 else v for v in host])       # [3B] int64
+        seeds = (ints[B:2 * B] << 32) | (ints[:B] & 0xFFFFFFFF)
+        positions = ints[2 * B:]
+        if probs.dim() == 3:
+            positions = positions[:, None] + depths
+            seeds = seeds[:, None].expand_as(positions)
+        return eagle_kernels.sample_keyed(probs, seeds.contiguous(), positions.contiguous())
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         # logits: [B, V] -> tokens int64 [B]

@@ -107,6 +107,7 @@ class Sequence:
     prefilled: int = 0                 # prompt tokens in the cache (cached or computed) while prefilling
     prompt_keys: list[bytes] = field(default_factory=list)  # prefix keys of the prompt's blocks (caching)
     block_keys: list[bytes] = field(default_factory=list)  # prefix keys of its blocks registered so far
+    sample_key: int | None = None      # the seed of its keyed draws (Sampler.key): params.seed, or one drawn
     # What a running sequence carries for the engine, dropped when it retires: the decoding method's draft
     # state (EAGLE's head cursor, SpS's next draft logits), with params.seed its random generator, with
     # params.structured its grammar state (engine.grammar.GrammarState, at the output tokens so far).

@@ -92,15 +92,16 @@ class SpSDecoder(SpeculativeDecoder):
         for i in range(k):
             if i > 0:
                 logits = self._step(seqs, [p + i - 1 for p in starts], tokens[-1])
-            tok, q = self._propose(logits, seqs, sampled)
+            tok, q = self._propose(logits, seqs, sampled, i)
             tokens.append(tok)
             if sampled:
                 probs.append(q)
         chains = Tree.chains(torch.stack(tokens, 1), self.runner.index([1 + c for c in caps]))
         return Draft(chains, k, torch.stack(probs, 1) if sampled else None)
 
-    def _propose(self, logits, seqs, sampled):
-        """Greedy rows take the argmax; sampled rows draw from q, their sampling distribution. -> tokens [B]
+    def _propose(self, logits, seqs, sampled, depth: int):
+        """Greedy rows take the argmax; sampled rows draw from q, their sampling distribution (the draft token
+        at num_tokens + depth). -> tokens [B]
         and q fp32 [B, V] (zero on greedy rows, which the greedy verifier never reads; None if all greedy)."""
         tokens = argmax(logits)
         if not sampled:
@@ -109,7 +110,7 @@ class SpSDecoder(SpeculativeDecoder):
         q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         q_rows = self.sampler.probs(logits.index_select(0, rows), [seqs[b].params for b in sampled])
         q.index_copy_(0, rows.long(), q_rows)
-        return tokens.index_copy(0, rows.long(), self.sampler.draw(q_rows, [seqs[b] for b in sampled])), q
+        return tokens.index_copy(0, rows.long(), self.sampler.draw(q_rows, [seqs[b] for b in sampled], depth)), q
 
     def _step(self, seqs, starts, tokens) -> torch.Tensor:
         """One draft token per sequence at cache position starts[b] -> the draft's next logits [B, V]."""

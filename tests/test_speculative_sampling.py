@@ -187,3 +187,40 @@ def test_sps_with_the_target_as_draft_accepts_everything(tiny):
     assert stats.extra["tau"] > 3.5  # 4 per round but the last, which the token budget caps
     _, stats = llm.generate(prompts * 50, SamplingParams(1.0, max_new_tokens=25, ignore_eos=True))
     assert stats.extra["accept_by_depth"][0] > 0.99 and stats.extra["tau"] > 3.5
+
+
+SEEDED = [SamplingParams(0.8, seed=11), SamplingParams(1.0, top_p=0.7, seed=12), SamplingParams(1.3, top_k=5, seed=13),
+          SamplingParams(0.9, presence_penalty=0.8, repetition_penalty=1.3, logit_bias={4: 1.5}, seed=14)]
+
+
+@pytest.mark.parametrize("method,args,min_tau", [
+    ("eagle3", {"head": "random", "depth": 2, "topk": 1, "tree_tokens": 3}, 1.005),  # the CPU default's chain
+    ("eagle3", {"head": "random", "depth": 3, "topk": 8, "tree_tokens": 16}, 1.2),
+    ("eagle", {"head": "random", "depth": 4, "topk": 4, "tree_tokens": 12}, 1.2),
+])
+def test_sampled_output_is_vanillas_for_the_same_key(tiny, method, args, min_tau):
+    """A sampled token is a keyed draw (the request's seed and the token's position), and a round whose drafts
+    are the draft's choices draws the target's token at every node and walks the tree as greedy verification
+    does: the output is token for token vanilla sampling's, alone or batched, seeded or after LLM.reseed. (A
+    random head's top-1 chain is seldom right: a few accepted drafts there.)"""
+    llm, _ = tiny
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (12,), generator=g)]
+    params = [dataclasses.replace(SEEDED[i % len(SEEDED)], max_new_tokens=24, ignore_eos=True, seed=100 + i)
+              for i in range(len(prompts))]
+    unseeded = [dataclasses.replace(p, seed=None) for p in params]
+    runs = {}
+    for name, a in (("vanilla", {}), (method, args)):
+        use(llm, name, **a)
+        seeded, stats = llm.generate(prompts, params)
+        llm.reseed(7)
+        shared, _ = llm.generate(prompts, unseeded)
+        alone, _ = llm.generate(prompts[3:4], params[3:4])
+        runs[name] = ([s.output_ids for s in seeded], [s.output_ids for s in shared], alone[0].output_ids, stats)
+    ref, out = runs["vanilla"], runs[method]
+    assert out[0] == ref[0] and out[1] == ref[1] and out[2] == ref[2] == ref[0][3]
+    assert out[3].extra["tau"] > min_tau  # drafts were accepted: verification, not plain decoding, made these tokens
+    assert ref[0] != ref[1]  # the seeds and the engine's stream are different keys (the test could not fail otherwise)
+    use(llm, "vanilla")
+    greedy, _ = llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert sum(a != b.output_ids for a, b in zip(ref[0], greedy)) >= len(prompts) // 2  # they did sample

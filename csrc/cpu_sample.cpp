@@ -1,0 +1,115 @@
+// Keyed draws: one token from each probability row with noise that is a fixed function of (seed, position,
+// token id), so a request draws the same token at a position whichever step, method or batch draws it.
+//
+// The noise (eagle_kernels/sampling.py `keyed_uniforms` is the reference, in torch):
+//   (k0, k1) = keys(seed, position);  h_i = mix(mix(i ^ k0) ^ k1);  u_i = (h_i + 0.5) 2^-32 in (0, 1)
+// and the draw is the exponential race: token = argmax_i p_i / E_i, E_i = -log(u_i) ~ Exp(1) i.i.d. (an exact
+// draw from p; the first index among equals).
+//
+// Without a log per token: 1 - u <= -log(u) <= (1 - u) / u bounds each p_i / E_i within [p u / (1 - u),
+// p / (1 - u)], so only the tokens whose upper bound reaches the largest lower bound can win (a handful: the
+// likely ones and those whose u is near 1). Those are computed exactly, in double precision, in the same scalar
+// code on every instruction set: the bounds (vectorised where the compiler can) only pick the candidates, with
+// a relative slack that covers their fp32 rounding, so the token is the same bits on AVX2, AVX-512 and without.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace eagle {
+namespace {
+
+// A 32-bit integer hash (a bijection; "triple32", low bias).
+inline uint32_t mix(uint32_t x) {
+  x ^= x >> 17;
+  x *= 0xed5ad4bbu;
+  x ^= x >> 11;
+  x *= 0xac4c1b51u;
+  x ^= x >> 15;
+  x *= 0x31848babu;
+  x ^= x >> 14;
+  return x;
+}
+
+struct Keys {
+  uint32_t k0, k1;
+};
+
+inline Keys keys(int64_t seed, int64_t position) {
+  const uint64_t s = static_cast<uint64_t>(seed);
+  const uint32_t k0 = mix(static_cast<uint32_t>(position) ^ mix(static_cast<uint32_t>(s) ^ 0x9e3779b9u));
+  return {k0, mix(k0 ^ static_cast<uint32_t>(s >> 32) ^ 0x85ebca6bu)};
+}
+
+inline uint32_t bits(uint32_t i, Keys k) { return mix(mix(i ^ k.k0) ^ k.k1); }
+
+// The largest lower bound of the row's p_i / E_i, from u = (h + 0.5) 2^-32 and 1 - u = (~h + 0.5) 2^-32 in
+// fp32; h (scratch, V) gets the row's hashes. Plain loops the compiler vectorises for the target it is built
+// for (results do not depend on it: see the top).
+__attribute__((always_inline)) inline float lower_bounds(const float* p, int64_t V, Keys k, uint32_t* h) {
+  for (int64_t i = 0; i < V; ++i) h[i] = bits(static_cast<uint32_t>(i), k);
+  float best = 0.f;
+  for (int64_t i = 0; i < V; ++i)
+    best = std::max(best, p[i] * ((static_cast<float>(h[i]) + 0.5f) / (static_cast<float>(~h[i]) + 0.5f)));
+  return best;
+}
+
+float lower_bounds_plain(const float* p, int64_t V, Keys k, uint32_t* h) { return lower_bounds(p, V, k, h); }
+#if defined(__x86_64__)
+EAGLE_AVX2 float lower_bounds_avx2(const float* p, int64_t V, Keys k, uint32_t* h) { return lower_bounds(p, V, k, h); }
+#endif
+
+int64_t draw_row(const float* p, int64_t V, int64_t seed, int64_t position) {
+  for (int64_t i = 0; i < V; ++i)
+    if (p[i] != p[i]) return i;  // a NaN wins, as in the reference's argmax
+  thread_local std::vector<uint32_t> scratch;
+  if (static_cast<int64_t>(scratch.size()) < V) scratch.resize(V);
+  uint32_t* h = scratch.data();
+  const Keys k = keys(seed, position);
+#if defined(__x86_64__)
+  const float floor = (eagle::cpu::has_avx2() ? lower_bounds_avx2 : lower_bounds_plain)(p, V, k, h);
+#else
+  const float floor = lower_bounds_plain(p, V, k, h);
+#endif
+  const float reach = floor * (1.f - 0x1p-16f);  // covers both bounds' fp32 rounding (a few ulps)
+  int64_t at = -1;
+  double best = -1.0;
+  for (int64_t i = 0; i < V; ++i) {
+    if (!(p[i] > 0.f) || p[i] * (1.f + 0x1p-16f) * 0x1p32f / (static_cast<float>(~h[i]) + 0.5f) < reach) continue;
+    const double v = static_cast<double>(p[i]) / -std::log((static_cast<double>(h[i]) + 0.5) * 0x1p-32);
+    if (v > best) best = v, at = i;
+  }
+  return at < 0 ? 0 : at;  // every p_i = 0 (no distribution): token 0, as the reference's argmax of zeros
+}
+
+// probs fp32 [..., V], seeds and positions int64 [...] -> int64 [...].
+at::Tensor sample_keyed_cpu(const at::Tensor& probs_in, const at::Tensor& seeds_in, const at::Tensor& positions_in) {
+  TORCH_CHECK_VALUE(probs_in.scalar_type() == at::kFloat && probs_in.dim() >= 1 && probs_in.size(-1) > 0,
+                    "sample_keyed: probs must be fp32 [..., V] with V > 0");
+  auto lead = probs_in.sizes().vec();
+  lead.pop_back();
+  for (const auto* t : {&seeds_in, &positions_in})
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kLong && t->sizes().vec() == lead,
+                      "sample_keyed: seeds and positions must be int64 shaped like probs without its last dim");
+  const at::Tensor probs = probs_in.contiguous(), seeds = seeds_in.contiguous(), positions = positions_in.contiguous();
+  const int64_t V = probs.size(-1), rows = probs.numel() / V;
+  at::Tensor out = at::empty(lead, seeds.options());
+  const float* p = probs.data_ptr<float>();
+  const int64_t *s = seeds.data_ptr<int64_t>(), *pos = positions.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) o[r] = draw_row(p + r * V, V, s[r], pos[r]);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(eagle, CPU, m) { m.impl("sample_keyed", &sample_keyed_cpu); }
+
+}  // namespace eagle
