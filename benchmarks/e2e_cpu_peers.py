@@ -37,7 +37,6 @@ each prompt with its own seed (the same every pass); the engine's speculative ou
 vanilla's token for token (a sampled token is a keyed draw: engine/sampler.py). llama-cpp-python and
 transformers run greedy only.
 """
-import zlib
 from __future__ import annotations
 
 import argparse
@@ -45,6 +44,7 @@ import json
 import statistics
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import torch

@@ -506,6 +506,30 @@ def test_sampling_is_lossless_at_every_depth(tiny, exact, monkeypatch):  # noqa:
     sampling.test_sampling_is_lossless(tiny, exact, "eagle3")
 
 
+def test_seeded_sampling_is_vanillas_at_every_depth(tiny, monkeypatch):  # noqa: F811
+    """Keyed draws: rounds without drafts and drafting ones of any depth all output vanilla's sampled tokens."""
+    def use(llm, method, **args):
+        llm.set_method(method, args)
+        if method != "vanilla":
+            llm.policy = Cycle([3, 0, 2])
+    monkeypatch.setattr(sampling, "use", use)
+    sampling.test_sampled_output_is_vanillas_for_the_same_key(
+        tiny, "eagle3", {"head": "random", "depth": 3, "topk": 8, "tree_tokens": 16}, 1.1)
+
+
+def test_auto_sampled_with_seeds_is_vanillas(setup):
+    """`auto` on the real model, seeded sampling: whatever depths its timings pick, vanilla's tokens."""
+    llm, prompts, _ = setup
+    params = [SamplingParams(0.8, top_p=0.95, max_new_tokens=NEW, seed=i) for i in range(len(prompts))]
+    llm.set_method("vanilla")
+    ref = [s.output_ids for s in llm.generate(prompts, params)[0]]
+    llm.set_method("auto")
+    for batch in (slice(0, 1), slice(0, len(prompts))):
+        seqs, stats = llm.generate(prompts[batch], params[batch])
+        assert [s.output_ids for s in seqs] == ref[batch]
+        assert stats.extra["tau"] > 1.0  # some drafts accepted (how many follows its timings)
+
+
 def test_auto_is_lossless(setup):
     llm, prompts, ref = setup
     llm.set_method("auto")
