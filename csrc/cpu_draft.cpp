@@ -13,7 +13,9 @@
 // feeds at least its root pair, its last), prefix_lens [B], block_tables [B, W] as paged_attention's, for the
 // head's cache kv = [k_cache, v_cache]. cos, sin: [P, D] rope tables (rows taken, then widened to fp32). max_levels[b]: the most drafts of
 // sequence b; with a finite log_floor a chain also ends before its first draft whose cumulative log-probability
-// is below it. -> the chains as engine/trees.py's Tree fields: tokens int64 [B, 1 + N] (the root token then the
+// is below it. temperatures[b] > 0 (with keys[b], firsts[b]: the row's sampling key and the index of its depth-1
+// draft's token) makes row b's drafts keyed draws instead of argmaxes (its score then the drawn token's).
+// -> the chains as engine/trees.py's Tree fields: tokens int64 [B, 1 + N] (the root token then the
 // drafts, as target ids: id + d2t[id]), parents and depths int32 [B, 1 + N] (node j: j - 1 and j; padding -1
 // and 0), scores fp32 zeros, sizes int32 [B] (1 + the drafts each sequence keeps; N the most kept).
 #include <ATen/ATen.h>
@@ -205,7 +207,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_cha
                                                const at::Tensor& prefix_lens, at::IntArrayRef max_levels,
                                                double log_floor, at::TensorList weights, at::IntArrayRef formats,
                                                const at::Tensor& d2t, double eps, const at::Tensor& cos,
-                                               const at::Tensor& sin, at::TensorList kv, int64_t num_q_heads) {
+                                               const at::Tensor& sin, at::TensorList kv, int64_t num_q_heads,
+                                               at::IntArrayRef keys, at::IntArrayRef firsts,
+                                               at::ArrayRef<double> temperatures) {
   TORCH_CHECK_VALUE(weights.size() == kWeights && formats.size() == kFormats,
                     "draft_chain: weights must hold 11 tensors and formats 7, got ", weights.size(), " and ",
                     formats.size());
@@ -214,6 +218,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_cha
                     "draft_chain: cu_seqlens_q must be int32 [B + 1], B >= 1");
   const int64_t B = cu_seqlens_q.size(0) - 1, T = ids.numel();
   TORCH_CHECK_VALUE(static_cast<int64_t>(max_levels.size()) == B, "draft_chain: max_levels must hold ", B, " values");
+  const bool keyed = !temperatures.empty();
+  TORCH_CHECK_VALUE(!keyed || (static_cast<int64_t>(temperatures.size()) == B &&
+                               static_cast<int64_t>(keys.size()) == B && static_cast<int64_t>(firsts.size()) == B),
+                    "draft_chain: temperatures, keys and firsts must hold ", B, " values each (or none)");
   TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.scalar_type() == at::kInt &&
                         block_tables.is_contiguous(), "draft_chain: block_tables must be a contiguous int32 [", B, ", W]");
   TORCH_CHECK_VALUE(positions.dim() == 1 && positions.numel() == T && ids.dim() == 1,
@@ -263,6 +271,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_cha
   std::vector<int64_t> top(B);
   at::Tensor score = at::zeros({B}, at::kFloat);
   const int64_t* map = d2t_host.data_ptr<int64_t>();
+  // Sampled rows draw their drafts keyed, as the target draws (eagle_kernels.sample_keyed): the draft's
+  // softmax at the row's temperature, under the noise of the draft's target id at its position.
+  const at::Tensor target_ids = keyed ? at::arange(d2t_host.size(0), at::kLong) + d2t_host : at::Tensor();
   for (int64_t d = 1; d <= levels; ++d) {
     if (d > 1) {
       for (int64_t b = 0; b < B; ++b) {
@@ -281,6 +292,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_cha
     const at::Tensor logits = head.logits(out);                                            // [B, Vd]
     if (logits.scalar_type() == at::kBFloat16) top1_rows<at::BFloat16>(logits, best.data_ptr<float>(), top.data());
     else top1_rows<float>(logits.to(at::kFloat), best.data_ptr<float>(), top.data());
+    for (int64_t b = 0; keyed && b < B; ++b) {
+      if (!(temperatures[b] > 0)) continue;
+      const at::Tensor row = logits[b].to(at::kFloat);
+      const at::Tensor probs = at::softmax(row.div(temperatures[b]), 0).contiguous();
+      top[b] = eagle::cpu::keyed_draw(probs.data_ptr<float>(), probs.size(0), keys[b], firsts[b] + d - 1,
+                                      target_ids.data_ptr<int64_t>());
+      best.data_ptr<float>()[b] = row.data_ptr<float>()[top[b]];
+    }
     for (int64_t b = 0; b < B; ++b)  // the draft vocabulary's id -> the target's
       tok[b * (levels + 1) + d] = top[b] + map[top[b]];
     bool more = false;
@@ -316,7 +335,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_cha
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
   m.def("draft_chain(Tensor features, Tensor ids, Tensor positions, Tensor slot_mapping, Tensor block_tables,"
         " Tensor cu_seqlens_q, Tensor prefix_lens, int[] max_levels, float log_floor, Tensor[] weights, int[] formats,"
-        " Tensor d2t, float eps, Tensor cos, Tensor sin, Tensor(a!)[] kv, int num_q_heads)"
+        " Tensor d2t, float eps, Tensor cos, Tensor sin, Tensor(a!)[] kv, int num_q_heads, int[] keys=[],"
+        " int[] firsts=[], float[] temperatures=[])"
         " -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 

@@ -28,6 +28,9 @@ at::Tensor embedding_q(const at::Tensor& ids, const at::Tensor& w, int64_t qtype
 // embedding_q into out, a contiguous bf16 or fp32 CPU [T, K] (out's dtype is the output's)
 void embedding_q_into(const at::Tensor& ids, const at::Tensor& w, int64_t qtype, at::Tensor& out);
 at::Tensor argmax_rows(const at::Tensor& x);  // fp32 [..., V] -> int64 [...]: each row's first maximum (or NaN)
+// One keyed draw from p [V] (csrc/cpu_sample.cpp): the column whose token (ids[i], or i) wins the exponential race
+// under the noise of (seed, position).
+int64_t keyed_draw(const float* p, int64_t V, int64_t seed, int64_t position, const int64_t* ids);
 // The Llama decoder stack in one call (csrc/cpu_decoder.cpp; eagle_kernels/decoder.py has the contract).
 std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
     at::Tensor& hidden, at::TensorList weights, at::IntArrayRef formats, double eps, const at::Tensor& cos,

@@ -51,20 +51,34 @@ inline uint32_t bits(uint32_t i, Keys k) { return mix(mix(i ^ k.k0) ^ k.k1); }
 // The largest lower bound of the row's p_i / E_i, from u = (h + 0.5) 2^-32 and 1 - u = (~h + 0.5) 2^-32 in
 // fp32; h (scratch, V) gets the row's hashes. Plain loops the compiler vectorises for the target it is built
 // for (results do not depend on it: see the top).
-__attribute__((always_inline)) inline float lower_bounds(const float* p, int64_t V, Keys k, uint32_t* h) {
-  for (int64_t i = 0; i < V; ++i) h[i] = bits(static_cast<uint32_t>(i), k);
+__attribute__((always_inline)) inline float lower_bounds(const float* p, int64_t V, Keys k, const int64_t* ids,
+                                                         uint32_t* h) {
+  if (ids) {
+    for (int64_t i = 0; i < V; ++i) h[i] = bits(static_cast<uint32_t>(ids[i]), k);
+  } else {
+    for (int64_t i = 0; i < V; ++i) h[i] = bits(static_cast<uint32_t>(i), k);
+  }
   float best = 0.f;
   for (int64_t i = 0; i < V; ++i)
     best = std::max(best, p[i] * ((static_cast<float>(h[i]) + 0.5f) / (static_cast<float>(~h[i]) + 0.5f)));
   return best;
 }
 
-float lower_bounds_plain(const float* p, int64_t V, Keys k, uint32_t* h) { return lower_bounds(p, V, k, h); }
+float lower_bounds_plain(const float* p, int64_t V, Keys k, const int64_t* ids, uint32_t* h) {
+  return lower_bounds(p, V, k, ids, h);
+}
 #if defined(__x86_64__)
-EAGLE_AVX2 float lower_bounds_avx2(const float* p, int64_t V, Keys k, uint32_t* h) { return lower_bounds(p, V, k, h); }
+EAGLE_AVX2 float lower_bounds_avx2(const float* p, int64_t V, Keys k, const int64_t* ids, uint32_t* h) {
+  return lower_bounds(p, V, k, ids, h);
+}
 #endif
 
-int64_t draw_row(const float* p, int64_t V, int64_t seed, int64_t position) {
+}  // namespace
+
+namespace cpu {
+// One keyed draw from p [V] (probabilities, or any non-negative multiple of them); ids [V] (or null: 0 .. V - 1)
+// the token id of each column, whose noise it takes.
+int64_t keyed_draw(const float* p, int64_t V, int64_t seed, int64_t position, const int64_t* ids) {
   for (int64_t i = 0; i < V; ++i)
     if (p[i] != p[i]) return i;  // a NaN wins, as in the reference's argmax
   thread_local std::vector<uint32_t> scratch;
@@ -72,9 +86,9 @@ int64_t draw_row(const float* p, int64_t V, int64_t seed, int64_t position) {
   uint32_t* h = scratch.data();
   const Keys k = keys(seed, position);
 #if defined(__x86_64__)
-  const float floor = (eagle::cpu::has_avx2() ? lower_bounds_avx2 : lower_bounds_plain)(p, V, k, h);
+  const float floor = (eagle::cpu::has_avx2() ? lower_bounds_avx2 : lower_bounds_plain)(p, V, k, ids, h);
 #else
-  const float floor = lower_bounds_plain(p, V, k, h);
+  const float floor = lower_bounds_plain(p, V, k, ids, h);
 #endif
   const float reach = floor * (1.f - 0x1p-16f);  // covers both bounds' fp32 rounding (a few ulps)
   int64_t at = -1;
@@ -84,11 +98,15 @@ int64_t draw_row(const float* p, int64_t V, int64_t seed, int64_t position) {
     const double v = static_cast<double>(p[i]) / -std::log((static_cast<double>(h[i]) + 0.5) * 0x1p-32);
     if (v > best) best = v, at = i;
   }
-  return at < 0 ? 0 : at;  // every p_i = 0 (no distribution): token 0, as the reference's argmax of zeros
+  return at < 0 ? 0 : at;  // every p_i = 0 (no distribution): column 0, as the reference's argmax of zeros
 }
+}  // namespace cpu
 
-// probs fp32 [..., V], seeds and positions int64 [...] -> int64 [...].
-at::Tensor sample_keyed_cpu(const at::Tensor& probs_in, const at::Tensor& seeds_in, const at::Tensor& positions_in) {
+namespace {
+
+// probs fp32 [..., V], seeds and positions int64 [...], ids int64 [V] or None -> int64 [...] (column indices).
+at::Tensor sample_keyed_cpu(const at::Tensor& probs_in, const at::Tensor& seeds_in, const at::Tensor& positions_in,
+                            const c10::optional<at::Tensor>& ids_in) {
   TORCH_CHECK_VALUE(probs_in.scalar_type() == at::kFloat && probs_in.dim() >= 1 && probs_in.size(-1) > 0,
                     "sample_keyed: probs must be fp32 [..., V] with V > 0");
   auto lead = probs_in.sizes().vec();
@@ -98,12 +116,19 @@ at::Tensor sample_keyed_cpu(const at::Tensor& probs_in, const at::Tensor& seeds_
                       "sample_keyed: seeds and positions must be int64 shaped like probs without its last dim");
   const at::Tensor probs = probs_in.contiguous(), seeds = seeds_in.contiguous(), positions = positions_in.contiguous();
   const int64_t V = probs.size(-1), rows = probs.numel() / V;
+  at::Tensor ids;
+  if (ids_in.has_value()) {
+    ids = ids_in->contiguous();
+    TORCH_CHECK_VALUE(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.size(0) == V,
+                      "sample_keyed: ids must be int64 [V]");
+  }
+  const int64_t* idp = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
   at::Tensor out = at::empty(lead, seeds.options());
   const float* p = probs.data_ptr<float>();
   const int64_t *s = seeds.data_ptr<int64_t>(), *pos = positions.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) o[r] = draw_row(p + r * V, V, s[r], pos[r]);
+    for (int64_t r = r0; r < r1; ++r) o[r] = cpu::keyed_draw(p + r * V, V, s[r], pos[r], idp);
   });
   return out;
 }

@@ -15,8 +15,9 @@ TORCH_LIBRARY(eagle, m) {
         " Tensor uniforms, Tensor? draft_probs=None) -> (Tensor, Tensor, Tensor)");
   // The first index of each row's maximum (CPU, fp32 [..., V] -> int64 [...]).
   m.def("argmax_rows(Tensor x) -> Tensor");
-  // One keyed draw a row from probabilities fp32 [..., V]: seeds, positions int64 [...] -> int64 [...] (CPU).
-  m.def("sample_keyed(Tensor probs, Tensor seeds, Tensor positions) -> Tensor");
+  // One keyed draw a row from probabilities fp32 [..., V]: seeds, positions int64 [...], the columns' token ids
+  // int64 [V] (None: 0 .. V - 1) -> column indices int64 [...] (CPU).
+  m.def("sample_keyed(Tensor probs, Tensor seeds, Tensor positions, Tensor? ids=None) -> Tensor");
   // Greedy acceptance from the target's logits fp32 [B, N, V] (or their argmax int64 [B, N]) -> the summary a
   // verify round's host reads
   // (int64 [B, 2N + 2]: accepted length, next token, path, tokens on it; CPU).

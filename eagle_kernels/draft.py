@@ -1,10 +1,10 @@
 """An EAGLE-3 head's top-1 draft chain in one C++ call (csrc/cpu_draft.cpp), for CPU rounds.
 
 One call feeds the pending pairs (rows of the raw-feature store projected by fc, one head step over them) and
-drafts the chain: at each level the draft vocabulary's argmax over the newest node's logits (mapped to a target
-id), fed back as one more head step, one new token a sequence at the next position of the head's paged cache,
-while a chain goes on (max_levels, and min_prob: a chain ends before its first draft whose cumulative
-probability is below it). Every piece runs the kernel the per-op head forward runs, in its order, so the result
+drafts the chain: at each level the draft vocabulary's argmax over the newest node's logits (or, for a sampled
+sequence, its keyed draw), mapped to a target id, fed back as one more head step, one new token a sequence at
+the next position of the head's paged cache, while a chain goes on (max_levels, and min_prob: a chain ends
+before its first draft whose cumulative probability is below it). Every piece runs the kernel the per-op head forward runs, in its order, so the result
 is bit-identical to drafting op by op (tests/test_draft_chain.py holds the two against each other).
 """
 import math
@@ -30,22 +30,29 @@ def draft_chain_fit(features: torch.Tensor) -> bool:
 
 def draft_chain(features, ids, positions, slot_mapping, block_tables, cu_seqlens_q, prefix_lens,
                 max_levels: list[int], min_prob: float, weights, formats, d2t, eps: float, cos, sin, kv,
-                num_q_heads: int):
+                num_q_heads: int, keyed: tuple[list[int], list[int], list[float]] | None = None):
     """features: bf16 [slots, R] (the head's raw inputs by cache slot); the feed's pairs: ids [T], positions
     [T], slot_mapping int64 [T], with paged_attention's block_tables int32 [B, W], cu_seqlens_q int32 [B + 1]
     (every sequence feeds at least one pair; its last is the chain's root) and prefix_lens int32 [B];
     weights / formats: the head's, named by WEIGHTS / LINEARS (formats: FORMATS values); d2t int64 [Vd];
     cos, sin [P, D] rope tables (rows widened to fp32); kv: the head's [k_cache, v_cache] (written).
+    keyed: (keys, firsts, temperatures), a value per sequence: a sequence with temperature > 0 drafts keyed
+    draws (sample_keyed over softmax(logits / temperature), the noise of each draft's target id at position
+    firsts[b] + depth - 1 under key keys[b]) instead of argmaxes; None: argmaxes.
     -> the chains as a Tree's fields (engine/trees.py): tokens int64 [B, 1 + N] (the root token, then the drafts
     as target ids), parents and depths int32 [B, 1 + N] (node j: j - 1 and j; padding -1 and 0), scores fp32
     zeros [B, 1 + N], sizes int32 [B] (1 + the drafts each sequence keeps)."""
     if _ops.CHECKED:
         check_draft_chain(features, ids, positions, slot_mapping, block_tables, cu_seqlens_q, prefix_lens,
                           max_levels, min_prob, weights, formats, d2t, cos, sin, kv, num_q_heads)
+        if keyed is not None and not (len(keyed) == 3 and all(len(v) == len(max_levels) for v in keyed)
+                                      and all(t >= 0 for t in keyed[2])):
+            _fail("keyed must be (keys, firsts, temperatures >= 0), a value per sequence each")
     floor = math.log(min_prob) if min_prob > 0 else -math.inf
+    keys, firsts, temperatures = ([], [], []) if keyed is None else (list(v) for v in keyed)
     return ops().draft_chain(features, ids, positions, slot_mapping, block_tables, cu_seqlens_q, prefix_lens,
                              list(max_levels), floor, list(weights), list(formats), d2t, eps, cos, sin, list(kv),
-                             num_q_heads)
+                             num_q_heads, keys, firsts, [float(t) for t in temperatures])
 
 
 def _fail(msg):

@@ -29,10 +29,13 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.max(-1).indices
 
 
-def sample_keyed(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One exact draw a row from probs fp32 [..., V] (rows summing to 1), keyed: the noise is a fixed function
-    of (seeds[...], positions[...], token id) (keyed_uniforms), so the same row, seed and position give the same
-    token whichever step, method or batch draws it. seeds, positions: int64 [...] -> int64 [...].
+def sample_keyed(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                 ids: torch.Tensor | None = None) -> torch.Tensor:
+    """One exact draw a row from probs fp32 [..., V] (rows summing to 1, or any positive multiple), keyed: the
+    noise is a fixed function of (seeds[...], positions[...], token id) (keyed_uniforms), so the same row, seed
+    and position give the same token whichever step, method or batch draws it. seeds, positions: int64 [...];
+    ids: int64 [V], the token id of each column (a draft vocabulary's columns; None: the column index)
+    -> the drawn columns, int64 [...].
     The exponential race argmax_i p_i / E_i, E_i = -log(u_i); CPU: the C++ op (csrc/cpu_sample.cpp, a log only
     for the few tokens that can win), elsewhere sample_keyed_reference. A NaN row gives its first NaN's index."""
     lead = probs.shape[:-1]
@@ -41,9 +44,11 @@ def sample_keyed(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     for name, t in (("seeds", seeds), ("positions", positions)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.shape != lead or t.device != probs.device:
             raise ValueError(f"sample_keyed: {name} must be int64 {tuple(lead)} on {probs.device}")
+    if ids is not None and (ids.dtype != torch.int64 or ids.shape != probs.shape[-1:] or ids.device != probs.device):
+        raise ValueError(f"sample_keyed: ids must be int64 [{probs.shape[-1]}] on {probs.device}")
     if _KEYED_CPU and probs.device.type == "cpu" and not gpu_path(probs):
-        return ops().sample_keyed(probs, seeds, positions)
-    return sample_keyed_reference(probs, seeds, positions)
+        return ops().sample_keyed(probs, seeds, positions, ids)
+    return sample_keyed_reference(probs, seeds, positions, ids)
 
 
 _M32 = 0xFFFFFFFF
@@ -61,20 +66,23 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 14)
 
 
-def keyed_uniforms(seeds: torch.Tensor, positions: torch.Tensor, V: int) -> torch.Tensor:
-    """The draws' uniforms: seeds, positions int64 [...] -> float64 [..., V] in (0, 1), u_i = (h_i + 0.5) 2^-32
-    with h_i = mix(mix(i ^ k0) ^ k1), (k0, k1) from (seed, position) (csrc/cpu_sample.cpp)."""
+def keyed_uniforms(seeds: torch.Tensor, positions: torch.Tensor, ids: "int | torch.Tensor") -> torch.Tensor:
+    """The draws' uniforms: seeds, positions int64 [...], token ids int64 [V] (an int V: 0 .. V - 1) -> float64
+    [..., V] in (0, 1), u_i = (h_i + 0.5) 2^-32 with h_i = mix(mix(id_i ^ k0) ^ k1), (k0, k1) from (seed,
+    position) (csrc/cpu_sample.cpp)."""
     s_lo, s_hi = seeds & _M32, (seeds >> 32) & _M32
     k0 = _mix((positions & _M32) ^ _mix(s_lo ^ 0x9e3779b9))
     k1 = _mix(k0 ^ s_hi ^ 0x85ebca6b)
-    i = torch.arange(V, dtype=torch.int64, device=seeds.device)
+    i = torch.arange(ids, dtype=torch.int64, device=seeds.device) if isinstance(ids, int) else ids & _M32
     h = _mix(_mix(i ^ k0[..., None]) ^ k1[..., None])
     return (h.double() + 0.5) * 2.0 ** -32
 
 
-def sample_keyed_reference(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def sample_keyed_reference(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                           ids: torch.Tensor | None = None) -> torch.Tensor:
     """sample_keyed in torch ops (any device): argmax(p / -log(u)) in float64."""
-    return (probs.double() / -keyed_uniforms(seeds, positions, probs.shape[-1]).log()).max(-1).indices
+    u = keyed_uniforms(seeds, positions, probs.shape[-1] if ids is None else ids)
+    return (probs.double() / -u.log()).max(-1).indices
 
 
 def _fail(msg):

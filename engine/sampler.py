@@ -160,16 +160,20 @@ class Sampler:
         top = lp.topk(k, -1)
         return torch.cat([lp.gather(1, tokens[:, None]), top.indices.float(), top.values], 1)
 
-    def draw(self, probs: torch.Tensor, seqs: list[Sequence], depths: torch.Tensor | int = 0) -> torch.Tensor:
-        """Keyed draws from probs [B, V] or [B, N, V], sequence b's rows predicting the tokens at num_tokens +
-        depths[b] (depths int [B, N] for [B, N, V], or one int) -> tokens int64 [B] or [B, N]."""
+    def keys_at(self, seqs: list[Sequence], depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keyed draws' seeds and positions for tokens num_tokens + depth of seqs: int64 [B] each, on the
+        device from one copy."""
         B = len(seqs)
         keys = [self.key(s) for s in seqs]
-        host = ([k & 0xFFFFFFFF for k in keys] + [(k >> 32) & 0x7FFFFFFF for k in keys]
-                + [s.num_tokens + (depths if isinstance(depths, int) else 0) for s in seqs])
-        ints = self.runner.to_device([v - (1 << 32) if v >= 1 << 31 else v for v in host])       # [3B] int64
-        seeds = (ints[B:2 * B] << 32) | (ints[:B] & 0xFFFFFFFF)
-        positions = ints[2 * B:]
+        lo = [k & 0xFFFFFFFF for k in keys]
+        ints = self.runner.to_device([v - (1 << 32) if v >= 1 << 31 else v for v in lo] + [k >> 32 for k in keys]
+                                     + [s.num_tokens + depth for s in seqs])                    # int64 [3B]
+        return (ints[B:2 * B] << 32) | (ints[:B] & 0xFFFFFFFF), ints[2 * B:]
+
+    def draw(self, probs: torch.Tensor, seqs: list[Sequence], depths: torch.Tensor | int = 0) -> torch.Tensor:
+        """Keyed draws from probs [B, V] or [B, N, V], sequence b's rows predicting the tokens at num_tokens +
+        depths (an int, or int64 [B, N] for [B, N, V]) -> tokens int64 [B] or [B, N]."""
+        seeds, positions = self.keys_at(seqs, depths if isinstance(depths, int) else 0)
         if probs.dim() == 3:
             positions = positions[:, None] + depths
             seeds = seeds[:, None].expand_as(positions)

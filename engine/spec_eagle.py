@@ -263,7 +263,9 @@ class EagleDecoder(SpeculativeDecoder):
         return tree.select(self.tree.verify_tokens - 1, g.inputs["caps"])
 
     def _draft_chain(self, seqs, depth: int, caps: list[int]) -> Tree:
-        """Top-1 drafts, one head step a level over each sequence's newest node (the pair of the depth-d node
+        """Top-1 drafts (a sampled sequence's: keyed draws from the draft at its temperature, the noise its
+        target's draw at that position takes, so the two agree as often as the distributions let them), one head
+        step a level over each sequence's newest node (the pair of the depth-d node
         sits at L - 1 + d, L = the target's cached tokens), causal over the head's cache, which keeps the
         chain's KV (overwritten when the next round feeds the accepted pairs). With min_prob, a sequence's
         chain ends before its first draft less likely than that; the round drafts while any goes on."""
@@ -275,6 +277,7 @@ class EagleDecoder(SpeculativeDecoder):
         out = torch.stack([s.draft_state.root[1] for s in seqs])                            # [B, H]
         tokens = [runner.to_device([s.last_id for s in seqs])]                          # per level: [B]
         score = torch.zeros(B, device=out.device)                                            # log-prob [B]
+        keyed = self._keyed(seqs)
         floor = math.log(policy.min_prob) if policy.min_prob else None
         lengths = [min(levels, c) for c in caps]
         for d in range(1, levels + 1):
@@ -285,6 +288,14 @@ class EagleDecoder(SpeculativeDecoder):
                 out = g.run(plan, ids=tokens[-1], hidden=out)[:B]
             logits = head.logits(out)                                                        # [B, Vd]
             best, top = logits.max(-1)
+            if keyed is not None:  # sampled rows draw their drafts keyed, as draft_chain does (a row at a time)
+                rows = [b for b, t in enumerate(keyed[2]) if t > 0]
+                probs = torch.stack([torch.softmax(logits[b].float().div(keyed[2][b]), 0) for b in rows])
+                pick = eagle_kernels.sample_keyed(probs, *self.sampler.keys_at([seqs[b] for b in rows], d - 1),
+                                                  self.draft_ids)                            # [R]
+                at = runner.index(rows).long()
+                top = top.index_copy(0, at, pick)
+                best = best.index_copy(0, at, logits.index_select(0, at).gather(1, pick[:, None])[:, 0].float())
             tokens.append(head.to_target(top))
             if floor is not None:  # a host read: min_prob is for the CPU
                 score = score + (best - torch.logsumexp(logits, -1))
@@ -295,9 +306,23 @@ class EagleDecoder(SpeculativeDecoder):
         N = max(lengths)
         return Tree.chains(torch.stack(tokens[:N + 1], 1), runner.index([n + 1 for n in lengths]))
 
+    @functools.cached_property
+    def draft_ids(self) -> torch.Tensor | None:
+        """The target id of each draft-vocabulary column (sample_keyed's ids; None: the vocabularies are one)."""
+        d2t = self.head.d2t
+        return None if d2t is None else torch.arange(d2t.shape[0], device=d2t.device) + d2t
+
+    def _keyed(self, seqs) -> tuple[list[int], list[int], list[float]] | None:
+        """draft_chain's `keyed`: per sequence its sampling key, the index of its depth-1 draft's token and its
+        temperature (0: greedy); None when every sequence is greedy."""
+        if all(s.params.greedy for s in seqs):
+            return None
+        return ([self.sampler.key(s) for s in seqs], [s.num_tokens for s in seqs],
+                [s.params.temperature for s in seqs])
+
     def _chain_in_one_call(self, seqs, depth: int, caps: list[int], weights, formats) -> Tree:
         """_draft_chain's chain, the same bits, from one C++ call (CPU): the pending pairs fed, then the levels
-        drafted (eagle_kernels.draft_chain). A sequence whose pairs are all fed feeds its root pair again (the
+        drafted (eagle_kernels.draft_chain; sampled sequences' drafts keyed draws). A sequence whose pairs are all fed feeds its root pair again (the
         same values rewritten)."""
         head, policy = self.head, self.tree
         starts = [min(s.draft_state.fed, cached_len(s) - 1) for s in seqs]
@@ -309,7 +334,7 @@ class EagleDecoder(SpeculativeDecoder):
             tree = Tree(*eagle_kernels.draft_chain(
                 self.features, ids, pos, meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q, meta.prefix_lens,
                 [min(levels, c) for c in caps], policy.min_prob, weights, formats, head.d2t, head.cfg.rms_eps,
-                head.rotary.cos, head.rotary.sin, list(self.head_layers[0]), head.cfg.num_heads))
+                head.rotary.cos, head.rotary.sin, list(self.head_layers[0]), head.cfg.num_heads, self._keyed(seqs)))
         for s, start in zip(seqs, starts):
             s.draft_state.fed = cached_len(s)
             self.blocks.mark_side(s.seq_id, start, s.draft_state.fed)

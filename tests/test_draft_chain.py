@@ -1,7 +1,8 @@
 """eagle_kernels.draft_chain (an EAGLE-3 head's feed and top-1 chain in one C++ call) against the head's per-op
 forward, its reference: the same drafts round by round (tokens and kept lengths, with and without min_prob's
-cut, batched and alone, quantized and bf16 weights, fixed depths and the adaptive policy's), so the same
-outputs, greedy (vanilla's) and seeded sampled; and bad arguments get a clear ValueError."""
+cut, batched and alone, quantized and bf16 weights, fixed depths and the adaptive policy's; sampled sequences'
+keyed drafts among greedy ones), so the same outputs, greedy and seeded sampled (vanilla's); and bad arguments get
+a clear ValueError."""
 import itertools
 
 import pytest
@@ -77,14 +78,17 @@ def drafting(llm, args, fused: bool, monkeypatch):
 def test_one_call_drafts_what_the_head_drafts_op_by_op(llm, args, monkeypatch):
     greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
     sampled = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.8, top_k=20, seed=3)
+    mixed = [greedy, sampled, SamplingParams(1.2, max_new_tokens=12, ignore_eos=True, seed=4), sampled]
     llm.set_method("vanilla")
     reference = [s.output_ids for s in llm.generate(PROMPTS, greedy)[0]]
+    reference_mixed = [s.output_ids for s in llm.generate(PROMPTS, mixed)[0]]
     runs = {}
     for fused in (True, False):
         rounds, calls = drafting(llm, args, fused, monkeypatch)
         outputs = [[s.output_ids for s in llm.generate(PROMPTS, greedy)[0]],
                    llm.generate(PROMPTS[:1], greedy)[0][0].output_ids,
-                   [s.output_ids for s in llm.generate(PROMPTS, sampled)[0]]]
+                   [s.output_ids for s in llm.generate(PROMPTS, sampled)[0]],
+                   [s.output_ids for s in llm.generate(PROMPTS, mixed)[0]]]
         runs[fused] = rounds, outputs
         assert (len(calls) > 0) == fused
         assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
@@ -96,6 +100,7 @@ def test_one_call_drafts_what_the_head_drafts_op_by_op(llm, args, monkeypatch):
         assert got is None or all(torch.equal(a, b) for a, b in zip(got, want)), (got, want)
     assert outputs == reference_outputs
     assert outputs[0] == reference and outputs[1] == reference[0]
+    assert outputs[3] == reference_mixed  # sampled rows' drafts are keyed draws, verified by the target's
     sizes = torch.cat([r[1] for r in rounds if r is not None])
     if "min_prob" in args:  # chains cut at different lengths
         assert sizes.max() >= 2 and sizes.min() < sizes.max()
@@ -174,12 +179,16 @@ def test_bad_arguments_get_a_clear_error(llm, monkeypatch):
         (dict(min_prob=1.0), r"min_prob must be in \[0, 1\)"),
         (dict(cos=good["cos"][:2]), "rope table"),
         (dict(num_q_heads=3), "qkv must map"),
+        (dict(keyed=([1], [5], [0.7])), "keyed must be"),
+        (dict(keyed=([1, 2], [5, 6], [0.7, -1.0])), "keyed must be"),
     ]
     for change, message in bad:
         with pytest.raises(ValueError, match=message):
             eagle_kernels.draft_chain(**{**good, **change})
     with eagle_kernels.unchecked(), pytest.raises(ValueError, match="every sequence must feed"):
         eagle_kernels.draft_chain(**{**good, "cu_seqlens_q": empty})  # the C++ op checks what it indexes by
+    with eagle_kernels.unchecked(), pytest.raises(ValueError, match="temperatures, keys and firsts must hold 2"):
+        eagle_kernels.draft_chain(**{**good, "keyed": ([1], [5], [0.7])})
 
 
 def test_a_level_allocates_nothing(checkpoint, monkeypatch):
