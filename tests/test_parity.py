@@ -80,7 +80,7 @@ def test_sampling_is_seeded_and_reproducible(smollm, prompt_ids):
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_new_tokens=16)
     runs = []
     for _ in range(2):
-        smollm.sampler.generator.manual_seed(123)
+        smollm.reseed(123)
         seqs, _ = smollm.generate(prompt_ids[:2], params)
         runs.append([s.output_ids for s in seqs])
     assert runs[0] == runs[1]

@@ -25,6 +25,23 @@ def test_op_matches_the_reference(V, scale):
     assert torch.equal(got, sample_keyed_reference(p, seeds, positions))
 
 
+@pytest.mark.parametrize("V", [5, 300, 8192])
+def test_columns_take_their_token_ids_noise(V):
+    """ids: a draft vocabulary's columns (target ids) draw under the noise of those ids: the same column as the
+    full vocabulary's draw when the other tokens have no mass."""
+    gen = torch.Generator().manual_seed(V)
+    ids = torch.randperm(4 * V, generator=gen)[:V].sort().values
+    p = rows(12, V, 2.0, gen)
+    seeds, positions = torch.randint(0, 2**50, (12,), generator=gen), torch.randint(0, 9999, (12,), generator=gen)
+    got = eagle_kernels.sample_keyed(p, seeds, positions, ids)
+    assert torch.equal(got, sample_keyed_reference(p, seeds, positions, ids))
+    full = torch.zeros(12, 4 * V)
+    full[:, ids] = p
+    assert torch.equal(ids[got], eagle_kernels.sample_keyed(full, seeds, positions))
+    with pytest.raises(ValueError, match="ids must be int64"):
+        eagle_kernels.sample_keyed(p, seeds, positions, ids[:-1])
+
+
 def test_leading_dims_zero_rows_and_nan():
     gen = torch.Generator().manual_seed(0)
     p = rows(6, 300, 3.0, gen).view(2, 3, 300)
