@@ -1,7 +1,7 @@
 """This engine against its CPU peers on the same GGUF, one request at a time, greedy (or sampled).
 
     python benchmarks/e2e_cpu_peers.py [--prompts 10] [--max-tokens 128] [--passes 1] [--threads 2]
-        [--weights auto,bf16] [--no-transformers] [--llama-cpp-bin DIR] [--temperature 0]
+        [--weights auto,bf16] [--no-transformers] [--llama-cpp-bin DIR] [--temperature 0] [--top-p 1]
         [--png benchmarks/plots/e2e_cpu_peers.png]
 
 Contenders, each in its own process (no shared thread pools or caches between them), alternated prompt by
@@ -32,8 +32,8 @@ engine's speculative outputs are checked token for token against its vanilla out
 (every pass).
 Prompts: MT-bench-style chat turns (writing, roleplay, reasoning, math, coding, extraction, STEM,
 humanities), written for this benchmark.
---temperature T > 0 samples instead (plain temperature: no top-k, top-p or min-p, llama.cpp's told the same),
-each prompt with its own seed (the same every pass); the engine's speculative outputs must still equal its
+--temperature T > 0 samples instead (with --top-p P, nucleus sampling; no top-k or min-p, llama.cpp told the
+same), each prompt with its own seed (the same every pass); the engine's speculative outputs must still equal its
 vanilla's token for token (a sampled token is a keyed draw: engine/sampler.py). llama-cpp-python and
 transformers run greedy only.
 """
@@ -61,10 +61,11 @@ class Engine:
     """One engine per (weights, method): a method's state (the adaptive policy's timings and acceptance) lives
     on across prompts, as in a server."""
 
-    def __init__(self, model: str, weights: str, threads: int, method: str, temperature: float = 0.0):
+    def __init__(self, model: str, weights: str, threads: int, method: str, temperature: float = 0.0,
+                 top_p: float = 1.0):
         self.llm = LLM(model, "bfloat16", device="cpu", weights=weights, threads=threads, max_batch=1,
                        kv_cache_gb=0.25, method=method)
-        self.temperature = temperature
+        self.temperature, self.top_p = temperature, top_p
         self.rounds, self.reached, self.depths = 0, 0.0, []  # over the timed runs (see `speculation`)
 
     def chat_ids(self, text: str) -> list[int]:
@@ -78,7 +79,8 @@ class Engine:
         """-> (tokens, seconds to the first token, seconds in all)."""
         first = []
         t0 = time.perf_counter()
-        params = SamplingParams(self.temperature, max_new_tokens=n, ignore_eos=True, seed=prompt_seed(ids))
+        params = SamplingParams(self.temperature, self.top_p if self.temperature else 1.0, max_new_tokens=n,
+                                ignore_eos=True, seed=prompt_seed(ids))
         seqs, stats = self.llm.generate([ids], params,
                                         on_tokens=lambda seq, toks: first or first.append(time.perf_counter()))
         spec = stats.extra
@@ -124,20 +126,21 @@ def prompt_seed(ids: list[int]) -> int:
     return zlib.crc32(str(ids).encode())
 
 
-def sampling_flags(temperature: float, text: str) -> list[str]:
-    """llama.cpp's flags for greedy, or for plain temperature sampling seeded per prompt."""
+def sampling_flags(temperature: float, top_p: float, text: str) -> list[str]:
+    """llama.cpp's flags for greedy, or for temperature (and top-p) sampling seeded per prompt."""
     if not temperature:
         return ["--temp", "0"]
-    return ["--temp", str(temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0", "--seed",
+    return ["--temp", str(temperature), "--top-k", "0", "--top-p", str(top_p), "--min-p", "0", "--seed",
             str(zlib.crc32(text.encode()))]
 
 
 class LlamaCppNative:
     """llama.cpp's own `llama-completion` binary, one run per prompt."""
 
-    def __init__(self, bin_dir: Path, path: Path, threads: int, batch: int, temperature: float = 0.0):
+    def __init__(self, bin_dir: Path, path: Path, threads: int, batch: int, temperature: float = 0.0,
+                 top_p: float = 1.0):
         self.exe, self.path, self.threads, self.batch = Path(bin_dir) / "llama-completion", path, threads, batch
-        self.temperature = temperature
+        self.temperature, self.top_p = temperature, top_p
         if not self.exe.is_file():
             raise ImportError(f"{self.exe} is not built (bash benchmarks/build_llama_cpp.sh)")
 
@@ -147,7 +150,7 @@ class LlamaCppNative:
         import re
         import subprocess
         cmd = [str(self.exe), "-m", str(self.path), "-t", str(self.threads), "-tb", str(self.threads), "-c", "2048",
-               "-n", str(n), "-ub", str(self.batch), *sampling_flags(self.temperature, text), "--ignore-eos", "-no-cnv",
+               "-n", str(n), "-ub", str(self.batch), *sampling_flags(self.temperature, self.top_p, text), "--ignore-eos", "-no-cnv",
                "--no-warmup", "-p", text]
         done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         # "llama_perf_context_print:" (or, in newer builds, "<time> I common_perf_print:") then the timer
@@ -166,10 +169,11 @@ class LlamaCppNative:
 class LlamaCppEagle3:
     """llama.cpp's EAGLE-3 drafting (`llama-speculative-simple`) with the shipped head, one run per prompt."""
 
-    def __init__(self, bin_dir: Path, path: Path, threads: int, batch: int, drafts: int, temperature: float = 0.0):
+    def __init__(self, bin_dir: Path, path: Path, threads: int, batch: int, drafts: int, temperature: float = 0.0,
+                 top_p: float = 1.0):
         self.exe, self.head = Path(bin_dir) / "llama-speculative-simple", Path(bin_dir) / "eagle3-head.gguf"
         self.path, self.threads, self.batch, self.drafts = path, threads, batch, drafts
-        self.temperature = temperature
+        self.temperature, self.top_p = temperature, top_p
         for f in (self.exe, self.head):
             if not f.is_file():
                 raise ImportError(f"{f} is not built (bash benchmarks/build_llama_cpp.sh)")
@@ -182,7 +186,7 @@ class LlamaCppEagle3:
         t = str(self.threads)
         cmd = [str(self.exe), "-m", str(self.path), "-md", str(self.head), "--spec-type", "draft-eagle3",
                "--spec-draft-n-max", str(self.drafts), "-t", t, "-tb", t, "-td", t, "-c", "2048", "-n", str(n),
-               "-ub", str(self.batch), *sampling_flags(self.temperature, text), "--ignore-eos", "-p", text]
+               "-ub", str(self.batch), *sampling_flags(self.temperature, self.top_p, text), "--ignore-eos", "-p", text]
         done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         counters = dict((kind, (int(k), float(s))) for kind, k, s in re.findall(
             r"^.*?(encoded|decoded)\s+(\d+) tokens in\s+([\d.]+) seconds", done.stderr, re.M))
@@ -323,7 +327,8 @@ def main(argv=None):
                    "benchmarks/build_llama_cpp.sh prints it); without it native llama.cpp is left out")
     p.add_argument("--llama-cpp-draft", type=int, default=3, help="native llama.cpp EAGLE-3's drafts a round")
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="sample at this temperature (plain: no top-k / top-p / min-p), a seed per prompt; 0: greedy")
+                   help="sample at this temperature (no top-k / min-p), a seed per prompt; 0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling's p")
     p.add_argument("--png", default="benchmarks/plots/e2e_cpu_peers.png")
     p.add_argument("--json", default="benchmarks/plots/e2e_cpu_peers.json")
     args = p.parse_args(argv)
@@ -333,14 +338,16 @@ def main(argv=None):
         p.error(f"--passes must be >= 1, got {args.passes}")
     if args.temperature < 0:
         p.error(f"--temperature must be >= 0, got {args.temperature}")
-    T = args.temperature
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    T, P = args.temperature, args.top_p
     src = resolve_model(args.model)
     if src.kind != "gguf":
         p.error(f"--model must be a GGUF model (llama.cpp reads GGUF), got {src.path}")
     weights, methods = args.weights.split(","), args.methods.split(",")
     if methods[0] != "vanilla" or len(set(methods)) != len(methods):
         p.error(f"--methods must start with vanilla and name each method once, got {args.methods}")
-    workers = {f"engine {m} ({w})": Worker("engine", args.model, w, args.threads, m, T) for w in weights
+    workers = {f"engine {m} ({w})": Worker("engine", args.model, w, args.threads, m, T, P) for w in weights
                for m in methods}
     for name, w in workers.items():
         if w.status != "ready":
@@ -354,12 +361,12 @@ def main(argv=None):
                   file=sys.stderr)
             workers.pop("llama.cpp").close()
     if args.llama_cpp_bin:
-        native = Worker("llama.cpp native", Path(args.llama_cpp_bin), src.path, args.threads, args.llama_cpp_batch, T)
+        native = Worker("llama.cpp native", Path(args.llama_cpp_bin), src.path, args.threads, args.llama_cpp_batch, T, P)
         if native.status != "ready":
             sys.exit(f"e2e_cpu_peers: native llama.cpp: {native.status}")
         workers["llama.cpp native"] = native
         eagle3 = Worker("llama.cpp native eagle3", Path(args.llama_cpp_bin), src.path, args.threads,
-                        args.llama_cpp_batch, args.llama_cpp_draft, T)
+                        args.llama_cpp_batch, args.llama_cpp_draft, T, P)
         if eagle3.status == "ready":
             workers["llama.cpp native eagle3"] = eagle3
         else:
@@ -395,7 +402,7 @@ def main(argv=None):
     vanilla = f"engine vanilla ({weights[0]})"
     refs = [r for r in ("llama.cpp native", "llama.cpp", "llama.cpp native eagle3") if r in contenders]
     med = {n: statistics.median(decode[n]) for n in names}
-    mode = f"sampled at T = {T}" if T else "greedy"
+    mode = (f"sampled at T = {T}" + (f", top-p {P}" if P < 1 else "")) if T else "greedy"
     print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens x {args.passes} passes, {mode}, {args.threads} "
           f"threads, batch 1; ratios: medians of per-prompt ratios (both ran the prompt back to back)")
     print(f"| contender | decode tok/s | end-to-end tok/s | / {vanilla} (worst prompt) |" +

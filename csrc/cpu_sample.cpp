@@ -15,8 +15,11 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -133,8 +136,85 @@ at::Tensor sample_keyed_cpu(const at::Tensor& probs_in, const at::Tensor& seeds_
   return out;
 }
 
+// Top-p over one row p [V] (finite, >= 0): in (p desc, id asc) order the tokens whose preceding mass is below
+// top_p times the row's mass (the most probable always), renormalised into o [V], zeros elsewhere. Without
+// sorting the row, by a two-level radix select over the fp32 bit patterns (which order like the values): a
+// histogram of masses by the top 13 bits finds the bucket holding the cut; every token above it is kept (the
+// mass before each is below the limit), none below; the cut bucket's tokens go through a histogram by the next
+// 12 bits; only the tokens of the sub-bucket at the cut are sorted (ties there by id). Masses in double.
+struct TopP {
+  std::vector<double> hist;
+  std::vector<int64_t> edge;
+  std::vector<std::pair<float, int64_t>> cut;
+};
+
+inline uint32_t pattern(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  return b;
+}
+
+void top_p_row(const float* p, int64_t V, double top_p, float* o, TopP& s) {
+  constexpr int kBins = 1 << 13;
+  s.hist.assign(kBins, 0.0);
+  for (int64_t i = 0; i < V; ++i) s.hist[pattern(p[i]) >> 19] += p[i];
+  double mass = 0.0;
+  for (double h : s.hist) mass += h;
+  const double limit = top_p * mass;
+  double above = 0.0;
+  int b1 = kBins - 1;
+  for (; b1 > 0 && above + s.hist[b1] < limit; --b1) above += s.hist[b1];
+  s.edge.clear();
+  for (int64_t i = 0; i < V; ++i) {
+    const uint32_t k = pattern(p[i]) >> 19;
+    o[i] = k > static_cast<uint32_t>(b1) ? p[i] : 0.f;
+    if (k == static_cast<uint32_t>(b1)) s.edge.push_back(i);
+  }
+  s.hist.assign(1 << 12, 0.0);
+  for (int64_t i : s.edge) s.hist[(pattern(p[i]) >> 7) & 0xFFF] += p[i];
+  int b2 = (1 << 12) - 1;
+  for (; b2 > 0 && above + s.hist[b2] < limit; --b2) above += s.hist[b2];
+  s.cut.clear();
+  for (int64_t i : s.edge) {
+    const uint32_t k = (pattern(p[i]) >> 7) & 0xFFF;
+    if (k > static_cast<uint32_t>(b2)) o[i] = p[i];
+    else if (k == static_cast<uint32_t>(b2)) s.cut.emplace_back(p[i], i);
+  }
+  std::sort(s.cut.begin(), s.cut.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  double kept = above;  // the mass kept so far: every token above the cut's sub-bucket
+  for (size_t j = 0; j < s.cut.size() && (kept < limit || (j == 0 && above == 0.0)); ++j) {
+    o[s.cut[j].second] = s.cut[j].first;
+    kept += s.cut[j].first;
+  }
+  const float scale = static_cast<float>(1.0 / kept);
+  for (int64_t i = 0; i < V; ++i) o[i] *= scale;
+}
+
+// probs fp32 [R, V] (finite, >= 0), top_p [R] in (0, 1) -> fp32 [R, V]: each row's top-p tokens renormalised (the
+// limit is top_p times the row's mass), zeros elsewhere.
+at::Tensor top_p_probs_cpu(const at::Tensor& probs_in, at::ArrayRef<double> top_p) {
+  TORCH_CHECK_VALUE(probs_in.scalar_type() == at::kFloat && probs_in.dim() == 2 && probs_in.size(1) > 0,
+                    "top_p_probs: probs must be fp32 [R, V] with V > 0");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(top_p.size()) == probs_in.size(0), "top_p_probs: top_p must hold ",
+                    probs_in.size(0), " values");
+  const at::Tensor probs = probs_in.contiguous();
+  const int64_t R = probs.size(0), V = probs.size(1);
+  at::Tensor out = at::empty({R, V}, probs.options());
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    TopP scratch;
+    for (int64_t r = r0; r < r1; ++r)
+      top_p_row(probs.data_ptr<float>() + r * V, V, top_p[r], out.data_ptr<float>() + r * V, scratch);
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(eagle, CPU, m) { m.impl("sample_keyed", &sample_keyed_cpu); }
+TORCH_LIBRARY_IMPL(eagle, CPU, m) {
+  m.impl("sample_keyed", &sample_keyed_cpu);
+  m.impl("top_p_probs", &top_p_probs_cpu);
+}
 
 }  // namespace eagle

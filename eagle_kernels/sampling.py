@@ -18,6 +18,7 @@ from .expand import topk_low_index_first
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _ARGMAX_CPU = has_kernel("argmax_rows", torch.device("cpu"))
 _KEYED_CPU = has_kernel("sample_keyed", torch.device("cpu"))
+_TOP_P_CPU = has_kernel("top_p_probs", torch.device("cpu"))
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +157,8 @@ def sampling_probs(logits, temperature, top_k, top_p):
 
 def _truncate_planned(probs, ks, ps):
     """Host-known per-row k (V = disabled) and p. Rows with top-k rank their c = max k most probable tokens;
-    top-p-only rows find their cut by a full sort on CUDA, by a radix select elsewhere; the rest stay."""
+    top-p-only rows find their cut by the C++ op top_p_probs on the CPU (a radix select that sorts only the
+    tokens at the cut, and the renormalisation), by a full sort elsewhere; the rest stay."""
     rows, v = probs.shape
     with_k = [i for i in range(rows) if ks[i] < v]
     p_only = [i for i in range(rows) if ks[i] >= v and ps[i] < 1]
@@ -169,11 +171,10 @@ def _truncate_planned(probs, ks, ps):
     if p_only:
         part = _take(probs, p_only)
         pp = _column([ps[i] for i in p_only], torch.float32, probs.device)
-        if probs.is_cuda:
-            parts.append((p_only, _truncate(part, v, pp, v)))
+        if _TOP_P_CPU and probs.device.type == "cpu":
+            parts.append((p_only, ops().top_p_probs(part, [float(ps[i]) for i in p_only])))
         else:
-            kept = torch.where(_top_p_keep(part, pp * part.sum(-1, keepdim=True)), part, 0.0)
-            parts.append((p_only, kept / kept.sum(-1, keepdim=True)))
+            parts.append((p_only, _truncate(part, v, pp, v)))
     if len(parts) == 1 and len(parts[0][0]) == rows:
         return parts[0][1]
     out = probs.clone() if parts else probs
@@ -222,30 +223,3 @@ def _truncate(probs, kk, pp, c):
     kept = torch.where(keep, vals, 0.0)
     # Normalise the [rows, c] survivors, not the [rows, V] result: full-size temporaries dominate on CPU.
     return torch.zeros_like(probs).scatter_(1, ids, kept / kept.sum(-1, keepdim=True))
-
-
-# Radix-select digits of the fp32 bit pattern (bits 30..20, 19..9, 8..0; probabilities are >= +0, so the
-# pattern read as int32 orders like the value).
-_DIGITS = ((20, 11), (9, 11), (0, 9))
-
-
-def _top_p_keep(probs, limit):
-    """probs: fp32 [rows, V], limit: [rows, 1] = top_p * mass -> bool [rows, V]: the tokens, in (prob desc,
-    id asc) order, whose preceding mass is < limit. O(V) without sorting: three histogram passes over the
-    bit patterns find the value of the last kept token, then a cumsum over the tokens at that value (in id
-    order) settles ties."""
-    rows = probs.shape[0]
-    bits = probs.contiguous().view(torch.int32)
-    above = probs.new_zeros(rows, 1)                 # mass of the tokens above the current prefix's range
-    prefix = torch.zeros(rows, 1, dtype=torch.int32, device=probs.device)
-    for shift, width in _DIGITS:
-        digit = ((bits >> shift) & ((1 << width) - 1)).long()
-        mass = probs if shift + width == 31 else torch.where((bits >> (shift + width)) == prefix, probs, 0.0)
-        hist = probs.new_zeros(rows, 1 << width).scatter_add_(1, digit, mass)
-        at_or_above = above + hist.flip(-1).cumsum(-1).flip(-1)                # [rows, 2^width], non-increasing
-        d = ((at_or_above >= limit).sum(-1, keepdim=True) - 1).clamp_(min=0)  # the digit holding the cut
-        above = torch.cat([at_or_above[:, 1:], above], dim=-1).gather(1, d)
-        prefix = (prefix << width) | d.int()
-    tie = torch.where(bits == prefix, probs, 0.0)
-    before = above + tie.cumsum(-1) - tie
-    return (bits > prefix) | ((bits == prefix) & (before < limit))

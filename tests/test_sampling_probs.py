@@ -185,3 +185,21 @@ def test_argmax_is_torchs_first_maximum(shape):
     assert got.dtype == torch.int64 and got.shape == shape[:-1]
     assert torch.equal(got, x.max(-1).indices)
     assert torch.equal(eagle_kernels.argmax(x.bfloat16()), x.bfloat16().max(-1).indices)  # torch's path
+
+
+@pytest.mark.parametrize("scale", [0.02, 0.5, 2.0, 8.0])
+def test_top_p_over_a_full_vocabulary_keeps_the_sorted_prefix(scale):
+    """The CPU plan's radix select (eagle::top_p_probs) on 49k-token rows from flat to peaked: the kept set is
+    exactly the sorted prefix, with the cut placed between two cumulative masses (no rounding ambiguity)."""
+    gen = torch.Generator().manual_seed(int(scale * 100))
+    logits = torch.randn(3, 49152, generator=gen) * scale
+    p = torch.softmax(logits.double(), -1).sort(-1, descending=True)
+    for m in (0, 7, 500, 30000):
+        if p.values[:, m].min() < 1e-6:  # the cut's gap below fp32 resolution: the cut is ambiguous
+            continue
+        cum = p.values.cumsum(-1)
+        top_p = [float((c[m - 1] + c[m]) / 2) if m else float(c[0] / 2) for c in cum]
+        out = sampling_probs(logits, 1.0, 0, top_p)
+        assert (out > 0).sum(-1).tolist() == [m + 1] * 3
+        assert torch.equal(out > 0, torch.zeros_like(out, dtype=torch.bool).scatter_(1, p.indices[:, :m + 1], True))
+        torch.testing.assert_close(out.sum(-1), torch.ones(3), atol=1e-5, rtol=0)
