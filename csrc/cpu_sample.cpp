@@ -192,20 +192,74 @@ void top_p_row(const float* p, int64_t V, double top_p, float* o, TopP& s) {
   for (int64_t i = 0; i < V; ++i) o[i] *= scale;
 }
 
-// probs fp32 [R, V] (finite, >= 0), top_p [R] in (0, 1) -> fp32 [R, V]: each row's top-p tokens renormalised (the
-// limit is top_p times the row's mass), zeros elsewhere.
-at::Tensor top_p_probs_cpu(const at::Tensor& probs_in, at::ArrayRef<double> top_p) {
+// Top-k, then top-p over what it kept, of one row into o [V] (renormalised, zeros elsewhere): the k most probable
+// tokens (ties: the lowest ids) by the same two-level radix select with counts instead of masses, sorting only
+// the cut's sub-bucket; then those k sorted (p desc, id asc) and cut where their preceding mass reaches top_p times
+// theirs.
+void top_k_row(const float* p, int64_t V, int64_t k, double top_p, float* o, TopP& s) {
+  constexpr int kBins = 1 << 13;
+  std::vector<int64_t>& count = s.edge;  // the histograms' counts, then the cut bucket's tokens in `kept`
+  count.assign(kBins, 0);
+  for (int64_t i = 0; i < V; ++i) ++count[pattern(p[i]) >> 19];
+  int64_t above = 0;
+  int b1 = kBins - 1;
+  for (; b1 > 0 && above + count[b1] < k; --b1) above += count[b1];
+  s.cut.clear();
+  std::vector<std::pair<float, int64_t>> kept;  // K: its tokens above the cut's bucket first
+  kept.reserve(k);
+  std::vector<int64_t> bucket;
+  for (int64_t i = 0; i < V; ++i) {
+    const uint32_t key = pattern(p[i]) >> 19;
+    if (key > static_cast<uint32_t>(b1)) kept.emplace_back(p[i], i);
+    else if (key == static_cast<uint32_t>(b1)) bucket.push_back(i);
+  }
+  count.assign(1 << 12, 0);
+  for (int64_t i : bucket) ++count[(pattern(p[i]) >> 7) & 0xFFF];
+  int b2 = (1 << 12) - 1;
+  for (; b2 > 0 && above + count[b2] < k; --b2) above += count[b2];
+  for (int64_t i : bucket) {
+    const uint32_t key = (pattern(p[i]) >> 7) & 0xFFF;
+    if (key > static_cast<uint32_t>(b2)) kept.emplace_back(p[i], i);
+    else if (key == static_cast<uint32_t>(b2)) s.cut.emplace_back(p[i], i);
+  }
+  const auto order = [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+  std::sort(s.cut.begin(), s.cut.end(), order);
+  for (size_t j = 0; static_cast<int64_t>(kept.size()) < k && j < s.cut.size(); ++j) kept.push_back(s.cut[j]);
+  std::sort(kept.begin(), kept.end(), order);
+  double mass = 0.0;
+  for (const auto& t : kept) mass += t.first;
+  const double limit = top_p < 1.0 ? top_p * mass : INFINITY;  // top_p >= 1: off (not a cut at the rounded mass)
+  std::fill(o, o + V, 0.f);
+  double before = 0.0;
+  for (size_t j = 0; j < kept.size() && (j == 0 || before < limit); ++j) {
+    o[kept[j].second] = kept[j].first;
+    before += kept[j].first;
+  }
+  const float scale = static_cast<float>(1.0 / before);
+  for (const auto& t : kept) o[t.second] *= scale;
+}
+
+// probs fp32 [R, V] (finite, >= 0); per row top_k (>= V: off) and top_p (>= 1: off) -> fp32 [R, V]: the kept
+// tokens renormalised, zeros elsewhere (a row with neither: copied).
+at::Tensor truncate_probs_cpu(const at::Tensor& probs_in, at::IntArrayRef top_k, at::ArrayRef<double> top_p) {
   TORCH_CHECK_VALUE(probs_in.scalar_type() == at::kFloat && probs_in.dim() == 2 && probs_in.size(1) > 0,
-                    "top_p_probs: probs must be fp32 [R, V] with V > 0");
-  TORCH_CHECK_VALUE(static_cast<int64_t>(top_p.size()) == probs_in.size(0), "top_p_probs: top_p must hold ",
-                    probs_in.size(0), " values");
+                    "truncate_probs: probs must be fp32 [R, V] with V > 0");
+  const int64_t R = probs_in.size(0), V = probs_in.size(1);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(top_k.size()) == R && static_cast<int64_t>(top_p.size()) == R,
+                    "truncate_probs: top_k and top_p must hold ", R, " values each");
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK_VALUE(top_k[r] > 0 && top_p[r] > 0, "truncate_probs: top_k and top_p must be > 0");
   const at::Tensor probs = probs_in.contiguous();
-  const int64_t R = probs.size(0), V = probs.size(1);
   at::Tensor out = at::empty({R, V}, probs.options());
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     TopP scratch;
-    for (int64_t r = r0; r < r1; ++r)
-      top_p_row(probs.data_ptr<float>() + r * V, V, top_p[r], out.data_ptr<float>() + r * V, scratch);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* p = probs.data_ptr<float>() + r * V;
+      float* o = out.data_ptr<float>() + r * V;
+      if (top_k[r] < V) top_k_row(p, V, top_k[r], std::min(top_p[r], 1.0), o, scratch);
+      else if (top_p[r] < 1) top_p_row(p, V, top_p[r], o, scratch);
+      else std::copy(p, p + V, o);
+    }
   });
   return out;
 }
@@ -214,7 +268,7 @@ at::Tensor top_p_probs_cpu(const at::Tensor& probs_in, at::ArrayRef<double> top_
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {
   m.impl("sample_keyed", &sample_keyed_cpu);
-  m.impl("top_p_probs", &top_p_probs_cpu);
+  m.impl("truncate_probs", &truncate_probs_cpu);
 }
 
 }  // namespace eagle

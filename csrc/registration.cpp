@@ -18,8 +18,9 @@ TORCH_LIBRARY(eagle, m) {
   // One keyed draw a row from probabilities fp32 [..., V]: seeds, positions int64 [...], the columns' token ids
   // int64 [V] (None: 0 .. V - 1) -> column indices int64 [...] (CPU).
   m.def("sample_keyed(Tensor probs, Tensor seeds, Tensor positions, Tensor? ids=None) -> Tensor");
-  // Top-p: probs fp32 [R, V], top_p (one a row, in (0, 1)) -> the kept tokens renormalised, fp32 [R, V] (CPU).
-  m.def("top_p_probs(Tensor probs, float[] top_p) -> Tensor");
+  // Top-k then top-p: probs fp32 [R, V], top_k (>= V: off), top_p (>= 1: off), one a row -> the kept tokens
+  // renormalised, fp32 [R, V] (CPU).
+  m.def("truncate_probs(Tensor probs, int[] top_k, float[] top_p) -> Tensor");
   // Greedy acceptance from the target's logits fp32 [B, N, V] (or their argmax int64 [B, N]) -> the summary a
   // verify round's host reads
   // (int64 [B, 2N + 2]: accepted length, next token, path, tokens on it; CPU).

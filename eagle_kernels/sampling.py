@@ -18,7 +18,7 @@ from .expand import topk_low_index_first
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _ARGMAX_CPU = has_kernel("argmax_rows", torch.device("cpu"))
 _KEYED_CPU = has_kernel("sample_keyed", torch.device("cpu"))
-_TOP_P_CPU = has_kernel("top_p_probs", torch.device("cpu"))
+_TRUNCATE_CPU = has_kernel("truncate_probs", torch.device("cpu"))
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -156,25 +156,27 @@ def sampling_probs(logits, temperature, top_k, top_p):
 
 
 def _truncate_planned(probs, ks, ps):
-    """Host-known per-row k (V = disabled) and p. Rows with top-k rank their c = max k most probable tokens;
-    top-p-only rows find their cut by the C++ op top_p_probs on the CPU (a radix select that sorts only the
-    tokens at the cut, and the renormalisation), by a full sort elsewhere; the rest stay."""
+    """Host-known per-row k (V = disabled) and p. On the CPU every row that truncates goes through the C++ op
+    truncate_probs (radix selects that sort only the tokens at each cut, and the renormalisation); elsewhere rows
+    with top-k rank their c = max k most probable tokens, top-p-only rows take a full sort. The rest stay."""
     rows, v = probs.shape
-    with_k = [i for i in range(rows) if ks[i] < v]
-    p_only = [i for i in range(rows) if ks[i] >= v and ps[i] < 1]
     parts = []
-    if with_k:
-        part = _take(probs, with_k)
-        kk = _column([ks[i] for i in with_k], torch.int64, probs.device)
-        pp = _column([ps[i] for i in with_k], torch.float32, probs.device)
-        parts.append((with_k, _truncate(part, kk, pp, max(ks[i] for i in with_k))))
-    if p_only:
-        part = _take(probs, p_only)
-        pp = _column([ps[i] for i in p_only], torch.float32, probs.device)
-        if _TOP_P_CPU and probs.device.type == "cpu":
-            parts.append((p_only, ops().top_p_probs(part, [float(ps[i]) for i in p_only])))
-        else:
-            parts.append((p_only, _truncate(part, v, pp, v)))
+    if _TRUNCATE_CPU and probs.device.type == "cpu":
+        cut = [i for i in range(rows) if ks[i] < v or ps[i] < 1]
+        if cut:
+            parts.append((cut, ops().truncate_probs(_take(probs, cut), [ks[i] for i in cut],
+                                                    [float(ps[i]) for i in cut])))
+    else:
+        with_k = [i for i in range(rows) if ks[i] < v]
+        p_only = [i for i in range(rows) if ks[i] >= v and ps[i] < 1]
+        if with_k:
+            part = _take(probs, with_k)
+            kk = _column([ks[i] for i in with_k], torch.int64, probs.device)
+            pp = _column([ps[i] for i in with_k], torch.float32, probs.device)
+            parts.append((with_k, _truncate(part, kk, pp, max(ks[i] for i in with_k))))
+        if p_only:
+            pp = _column([ps[i] for i in p_only], torch.float32, probs.device)
+            parts.append((p_only, _truncate(_take(probs, p_only), v, pp, v)))
     if len(parts) == 1 and len(parts[0][0]) == rows:
         return parts[0][1]
     out = probs.clone() if parts else probs

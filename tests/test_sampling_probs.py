@@ -203,3 +203,22 @@ def test_top_p_over_a_full_vocabulary_keeps_the_sorted_prefix(scale):
         assert (out > 0).sum(-1).tolist() == [m + 1] * 3
         assert torch.equal(out > 0, torch.zeros_like(out, dtype=torch.bool).scatter_(1, p.indices[:, :m + 1], True))
         torch.testing.assert_close(out.sum(-1), torch.ones(3), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("scale", [0.02, 0.5, 4.0])
+def test_top_k_then_top_p_over_a_full_vocabulary(scale):
+    """The CPU plan's top-k (a radix select by counts): the k most probable, ties at the cut to the lowest ids
+    (integer logits tie by the thousands), then top-p over them; against the fp64 reference."""
+    gen = torch.Generator().manual_seed(int(scale * 100) + 1)
+    logits = torch.randn(4, 49152, generator=gen) * scale
+    logits[3] = torch.randint(-3, 2, (49152,), generator=gen).float()
+    for k, top_p in ((1, 1.0), (40, 1.0), (50, 0.9), (3000, 0.95), (49151, 1.0)):
+        out = sampling_probs(logits, 0.8, k, top_p)
+        ref = ref_probs(logits, 0.8, k, top_p) if k in (40, 50) else None  # the fp64 reference sorts in Python
+        if ref is not None:
+            check(out, ref)
+        kept = (out > 0).sum(-1)
+        assert (kept <= k).all() and (top_p < 1.0 or (kept == k).all())
+        order = torch.softmax(logits.double() / 0.8, -1).sort(dim=-1, descending=True, stable=True).indices
+        if top_p == 1.0:  # exactly the sorted prefix of k, ties by id
+            assert torch.equal(out > 0, torch.zeros_like(out, dtype=torch.bool).scatter_(1, order[:, :k], True))
