@@ -51,28 +51,82 @@ inline Keys keys(int64_t seed, int64_t position) {
 
 inline uint32_t bits(uint32_t i, Keys k) { return mix(mix(i ^ k.k0) ^ k.k1); }
 
-// The largest lower bound of the row's p_i / E_i, from u = (h + 0.5) 2^-32 and 1 - u = (~h + 0.5) 2^-32 in
-// fp32; h (scratch, V) gets the row's hashes. Plain loops the compiler vectorises for the target it is built
-// for (results do not depend on it: see the top).
-__attribute__((always_inline)) inline float lower_bounds(const float* p, int64_t V, Keys k, const int64_t* ids,
-                                                         uint32_t* h) {
-  if (ids) {
-    for (int64_t i = 0; i < V; ++i) h[i] = bits(static_cast<uint32_t>(ids[i]), k);
-  } else {
-    for (int64_t i = 0; i < V; ++i) h[i] = bits(static_cast<uint32_t>(i), k);
-  }
+// The largest lower bound of the row's p_i / E_i (NaN where a p_i is NaN), from u = (h + 0.5) 2^-32 and 1 - u =
+// (~h + 0.5) 2^-32 in fp32; h (scratch, V) gets the row's hashes. Results do not depend on the path (see the top).
+float lower_bounds_plain(const float* p, int64_t V, Keys k, const int64_t* ids, uint32_t* h) {
+  for (int64_t i = 0; i < V; ++i) h[i] = bits(static_cast<uint32_t>(ids ? ids[i] : i), k);
   float best = 0.f;
-  for (int64_t i = 0; i < V; ++i)
-    best = std::max(best, p[i] * ((static_cast<float>(h[i]) + 0.5f) / (static_cast<float>(~h[i]) + 0.5f)));
+  for (int64_t i = 0; i < V; ++i) {
+    const float lb = p[i] * ((static_cast<float>(h[i]) + 0.5f) / (static_cast<float>(~h[i]) + 0.5f));
+    best = lb != lb ? lb : std::max(best, lb);  // a NaN stays (keyed_draw looks for it)
+  }
   return best;
 }
 
-float lower_bounds_plain(const float* p, int64_t V, Keys k, const int64_t* ids, uint32_t* h) {
-  return lower_bounds(p, V, k, ids, h);
-}
 #if defined(__x86_64__)
+EAGLE_AVX2 inline __m256i mix8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 17));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0xed5ad4bbu)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 11));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0xac4c1b51u)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0x31848babu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 14));
+}
+
+// uint32 lanes + 0.5 -> fp32, rounded once from the exact halves (relative error <= 2^-24, then the + 0.5's).
+EAGLE_AVX2 inline __m256 plus_half(__m256i h) {
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(h, 16));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(h, _mm256_set1_epi32(0xFFFF)));
+  return _mm256_add_ps(_mm256_fmadd_ps(hi, _mm256_set1_ps(65536.f), lo), _mm256_set1_ps(0.5f));
+}
+
 EAGLE_AVX2 float lower_bounds_avx2(const float* p, int64_t V, Keys k, const int64_t* ids, uint32_t* h) {
-  return lower_bounds(p, V, k, ids, h);
+  if (ids)
+    for (int64_t i = 0; i < V; ++i) h[i] = bits(static_cast<uint32_t>(ids[i]), k);
+  const __m256i k0 = _mm256_set1_epi32(static_cast<int32_t>(k.k0)), k1 = _mm256_set1_epi32(static_cast<int32_t>(k.k1));
+  const __m256i all = _mm256_set1_epi32(-1), eight = _mm256_set1_epi32(8);
+  __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 best8 = _mm256_setzero_ps(), nan8 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8, at = _mm256_add_epi32(at, eight)) {
+    __m256i hv;
+    if (ids) {
+      hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i));
+    } else {
+      hv = mix8(_mm256_xor_si256(mix8(_mm256_xor_si256(at, k0)), k1));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + i), hv);
+    }
+    const __m256 ratio = _mm256_div_ps(plus_half(hv), plus_half(_mm256_xor_si256(hv, all)));
+    const __m256 pv = _mm256_loadu_ps(p + i);
+    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(pv, pv, _CMP_UNORD_Q));
+    best8 = _mm256_max_ps(best8, _mm256_mul_ps(pv, ratio));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, best8);
+  float best = _mm256_movemask_ps(nan8) ? NAN : *std::max_element(lanes, lanes + 8);
+  for (; i < V; ++i) {
+    if (!ids) h[i] = bits(static_cast<uint32_t>(i), k);
+    const float lb = p[i] * ((static_cast<float>(h[i]) + 0.5f) / (static_cast<float>(~h[i]) + 0.5f));
+    best = lb != lb ? lb : std::max(best, lb);
+  }
+  return best;
+}
+
+// The exact pass's candidates 8 at a time: calls exact(i) for each i whose upper bound reaches `reach`, in order;
+// -> where the scalar tail starts.
+template <typename Fn>
+EAGLE_AVX2 int64_t candidates_avx2(const float* p, int64_t V, const uint32_t* h, float reach, float scale, Fn&& exact) {
+  const __m256i all = _mm256_set1_epi32(-1);
+  const __m256 r = _mm256_set1_ps(reach), c = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) {
+    const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i));
+    const __m256 lhs = _mm256_mul_ps(_mm256_loadu_ps(p + i), c);
+    const __m256 rhs = _mm256_mul_ps(r, plus_half(_mm256_xor_si256(hv, all)));
+    for (int m = _mm256_movemask_ps(_mm256_cmp_ps(lhs, rhs, _CMP_GE_OQ)); m; m &= m - 1) exact(i + __builtin_ctz(m));
+  }
+  return i;
 }
 #endif
 
@@ -82,25 +136,35 @@ namespace cpu {
 // One keyed draw from p [V] (probabilities, or any non-negative multiple of them); ids [V] (or null: 0 .. V - 1)
 // the token id of each column, whose noise it takes.
 int64_t keyed_draw(const float* p, int64_t V, int64_t seed, int64_t position, const int64_t* ids) {
-  for (int64_t i = 0; i < V; ++i)
-    if (p[i] != p[i]) return i;  // a NaN wins, as in the reference's argmax
   thread_local std::vector<uint32_t> scratch;
   if (static_cast<int64_t>(scratch.size()) < V) scratch.resize(V);
   uint32_t* h = scratch.data();
   const Keys k = keys(seed, position);
 #if defined(__x86_64__)
-  const float floor = (eagle::cpu::has_avx2() ? lower_bounds_avx2 : lower_bounds_plain)(p, V, k, ids, h);
+  const bool avx2 = eagle::cpu::has_avx2();
+  const float floor = (avx2 ? lower_bounds_avx2 : lower_bounds_plain)(p, V, k, ids, h);
 #else
   const float floor = lower_bounds_plain(p, V, k, ids, h);
 #endif
-  const float reach = floor * (1.f - 0x1p-16f);  // covers both bounds' fp32 rounding (a few ulps)
+  if (floor != floor)  // a NaN: it wins, as in the reference's argmax (the first)
+    for (int64_t i = 0; i < V; ++i)
+      if (p[i] != p[i]) return i;
+  // A token can win where its upper bound p 2^32 / (~h + 0.5) reaches the largest lower bound; the slack covers
+  // both bounds' fp32 rounding (a few ulps).
+  const float reach = floor * (1.f - 0x1p-16f), scale = (1.f + 0x1p-16f) * 0x1p32f;
   int64_t at = -1;
   double best = -1.0;
-  for (int64_t i = 0; i < V; ++i) {
-    if (!(p[i] > 0.f) || p[i] * (1.f + 0x1p-16f) * 0x1p32f / (static_cast<float>(~h[i]) + 0.5f) < reach) continue;
+  const auto exact = [&](int64_t i) {
+    if (!(p[i] > 0.f)) return;
     const double v = static_cast<double>(p[i]) / -std::log((static_cast<double>(h[i]) + 0.5) * 0x1p-32);
     if (v > best) best = v, at = i;
-  }
+  };
+  int64_t i = 0;
+#if defined(__x86_64__)
+  if (avx2) i = candidates_avx2(p, V, h, reach, scale, exact);
+#endif
+  for (; i < V; ++i)
+    if (p[i] * scale >= reach * (static_cast<float>(~h[i]) + 0.5f)) exact(i);
   return at < 0 ? 0 : at;  // every p_i = 0 (no distribution): column 0, as the reference's argmax of zeros
 }
 }  // namespace cpu
