@@ -263,11 +263,11 @@ class EagleDecoder(SpeculativeDecoder):
         return tree.select(self.tree.verify_tokens - 1, g.inputs["caps"])
 
     def _draft_chain(self, seqs, depth: int, caps: list[int]) -> Tree:
-        """Top-1 drafts (a sampled sequence's: keyed draws from the draft at its temperature, the noise its
-        target's draw at that position takes, so the two agree as often as the distributions let them), one head
-        step a level over each sequence's newest node (the pair of the depth-d node
-        sits at L - 1 + d, L = the target's cached tokens), causal over the head's cache, which keeps the
-        chain's KV (overwritten when the next round feeds the accepted pairs). With min_prob, a sequence's
+        """Top-1 drafts (a sampled sequence's: keyed draws from the draft at its temperature, under the noise
+        its target's draw at that position takes, so the two agree as often as the distributions let them), one
+        head step a level over each sequence's newest node (the pair of the depth-d node sits at L - 1 + d, L =
+        the target's cached tokens), causal over the head's cache, which keeps the chain's KV (overwritten when
+        the next round feeds the accepted pairs). With min_prob, a sequence's
         chain ends before its first draft less likely than that; the round drafts while any goes on."""
         head, runner, policy = self.head, self.runner, self.tree
         B = len(seqs)
