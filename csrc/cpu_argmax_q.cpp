@@ -22,7 +22,9 @@
 // its nb fp16 d's, then its quants): a candidate costs 612 contiguous bytes there against a whole 9.8 KB
 // group in linear_q's layout.
 // A row with a non-finite value (x, a bound, a logit) takes linear_q and argmax_rows' rule (a NaN is the
-// maximum).
+// maximum). With temperatures, seeds and positions a row's token is instead sample_keyed's keyed draw from those
+// logits (csrc/cpu_sample.cpp): each bound becomes its score's (eagle::cpu::Keyed::bounds) and the exact logits
+// are scored exactly; the rest as above.
 //
 // The bound pass runs on AVX-512 VNNI (up to 8 x rows) and AVX2 (one: a decode step); elsewhere the op is
 // linear_q + argmax_rows (the same result).
@@ -49,10 +51,6 @@ constexpr int kLeads = 8;
 // Beyond 8 x rows the bounds' arithmetic and the exact rows cost more than the bytes saved (Zen 5, cold: 16 / 32
 // / 64 rows 1.05 / 1.15 / 1.09x the full product's time; 4 / 8 rows 0.66 / 0.77x), and AMX takes those.
 constexpr int64_t kMaxBoundRows = 8;
-
-at::Tensor full_argmax(const at::Tensor& x, const at::Tensor& w) {
-  return eagle::cpu::argmax_rows(eagle::cpu::linear_q(x, w, 8, at::kFloat));
-}
 
 #if defined(__x86_64__)
 // x quantized, with what the bounds add per row and block: 7 pos - 128 S and 7 neg - 128 S.
@@ -236,9 +234,10 @@ EAGLE_AVX2 void rows_from(const float* ub, int64_t N, float floor, const std::ve
     }
 }
 
-// The bounds' path: -> the argmax of each x row, or -1 for a row that needs the full product.
+// The bounds' path: -> the argmax of each x row (of its keyed scores where keyed[m]), or -1 for a row that needs
+// the full product.
 void argmax_bounded(const at::Tensor& x, const at::Tensor& planes, const at::Tensor& rows, const at::Tensor& dmax,
-                    int64_t* out) {
+                    const std::vector<c10::optional<eagle::cpu::Keyed>>& keyed, int64_t* out) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, groups = planes.size(0), N = groups * kGroup;
   Rows xr;
   eagle::cpu::quantize_reserve(xr.xq, M, K);
@@ -265,9 +264,14 @@ void argmax_bounded(const at::Tensor& x, const at::Tensor& planes, const at::Ten
   const int64_t plane_group = nb * kPlaneBytes;
   const bool vnni = eagle::cpu::use_avx512_vnni();
   at::parallel_for(0, groups, std::max<int64_t>(1, (32 << 10) / plane_group), [&](int64_t g0, int64_t g1) {
+    // then a keyed row's bounds become its scores' (logit / T + the noise's bound), while they are in cache
+    const auto keyed_bounds = [&]() {
+      for (int64_t m = 0; m < M; ++m)
+        if (keyed[m]) keyed[m]->bounds(ub + m * N, ub + m * N, g0 * kGroup, g1 * kGroup, nullptr);
+    };
     if (!vnni) {  // one x row (argmax_q8 sends more to the full product)
       for (int64_t g = g0; g < g1; ++g) bound_group_avx2(pp, plane_group, g, xr, ub);
-      return;
+      return keyed_bounds();
     }
     const int64_t half = (g1 - g0) / 2;  // the range's two halves side by side
     for (int64_t g = g0; g < g0 + half; ++g)
@@ -276,6 +280,7 @@ void argmax_bounded(const at::Tensor& x, const at::Tensor& planes, const at::Ten
     if ((g1 - g0) % 2)
       for (int64_t m = 0; m < M; m += 4)
         bound_panel<1>(pp, plane_group, g1 - 1, 0, xr, m, std::min<int64_t>(4, M - m), ub, N);
+    keyed_bounds();
   });
   // Per x row: the exact logits of its leading rows, then of every row whose bound reaches their best - margin.
   // Each stage's logits for all x rows are computed by both threads, each first requesting the cache lines of
@@ -287,7 +292,7 @@ void argmax_bounded(const at::Tensor& x, const at::Tensor& planes, const at::Ten
   };
   std::vector<Task> tasks;
   std::vector<int64_t> best(M, -1), found;
-  std::vector<float> top(M, 0.f);
+  std::vector<double> top(M, 0.0);  // the best score: the logit, or a keyed row's l / T + g
   std::vector<char> finite(M, 1);
   auto run = [&]() {
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 4, [&](int64_t i0, int64_t i1) {
@@ -301,7 +306,8 @@ void argmax_bounded(const at::Tensor& x, const at::Tensor& planes, const at::Ten
     });
     for (const Task& t : tasks) {
       finite[t.m] = finite[t.m] && std::isfinite(t.v);
-      if (best[t.m] < 0 || t.v > top[t.m] || (t.v == top[t.m] && t.n < best[t.m])) best[t.m] = t.n, top[t.m] = t.v;
+      const double v = keyed[t.m] ? keyed[t.m]->score(t.v, t.n) : t.v;
+      if (best[t.m] < 0 || v > top[t.m] || (v == top[t.m] && t.n < best[t.m])) best[t.m] = t.n, top[t.m] = v;
     }
   };
   std::vector<int64_t> leads(M * kLeads);
@@ -318,8 +324,9 @@ void argmax_bounded(const at::Tensor& x, const at::Tensor& planes, const at::Ten
     // T - margin in double, then the float at or below it: no row that can reach T is left out
     const std::vector<int64_t> skip(leads.begin() + m * kLeads, leads.begin() + m * kLeads + count[m]);
     found.clear();
-    rows_from(ub + m * N, N, std::nextafter(static_cast<float>(static_cast<double>(top[m]) - margin[m]), -INFINITY),
-              skip, found);
+    const float floor = keyed[m] ? keyed[m]->reach(top[m], margin[m])
+                                 : std::nextafter(static_cast<float>(top[m] - margin[m]), -INFINITY);
+    rows_from(ub + m * N, N, floor, skip, found);
     for (int64_t n : found) tasks.push_back({m, n, 0.f});
   }
   run();
@@ -334,7 +341,8 @@ void argmax_bounded(const at::Tensor& x, const at::Tensor& planes, const at::Ten
 // quants); dmax: fp32 [K / 32], the largest |d| of each block over the rows (eagle_kernels.quant.argmax_planes).
 // -> int64 [M]: the first maximum of each row of linear_q(x, w, Q8_0, fp32).
 at::Tensor argmax_q8(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& planes, const at::Tensor& rows,
-                     const at::Tensor& dmax) {
+                     const at::Tensor& dmax, const c10::optional<at::Tensor>& temperatures,
+                     const c10::optional<at::Tensor>& seeds, const c10::optional<at::Tensor>& positions) {
   TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(),
                     "argmax_q8: x must be a bf16 CPU tensor [M, K]");
   const int64_t M = x_in.size(0), K = x_in.size(1), nb = K / kBlock;
@@ -353,22 +361,59 @@ at::Tensor argmax_q8(const at::Tensor& x_in, const at::Tensor& w, const at::Tens
   TORCH_CHECK_VALUE(dmax.dim() == 1 && dmax.scalar_type() == at::kFloat && dmax.is_contiguous() &&
                         dmax.device().is_cpu() && dmax.size(0) == nb,
                     "argmax_q8: dmax must be a contiguous fp32 CPU tensor [", nb, "]");
+  TORCH_CHECK_VALUE(temperatures.has_value() == seeds.has_value() && seeds.has_value() == positions.has_value(),
+                    "argmax_q8: temperatures, seeds and positions go together");
+  std::vector<c10::optional<eagle::cpu::Keyed>> keyed(M);
+  at::Tensor temps, keys, where;
+  if (temperatures) {
+    temps = temperatures->contiguous(), keys = seeds->contiguous(), where = positions->contiguous();
+    TORCH_CHECK_VALUE(temps.scalar_type() == at::kFloat && temps.dim() == 1 && temps.size(0) == M && temps.is_cpu(),
+                      "argmax_q8: temperatures must be a fp32 CPU tensor [", M, "]");
+    for (const at::Tensor* t : {&keys, &where})
+      TORCH_CHECK_VALUE(t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == M && t->is_cpu(),
+                        "argmax_q8: seeds and positions must be int64 CPU tensors [", M, "]");
+    for (int64_t m = 0; m < M; ++m) {
+      const float t = temps.data_ptr<float>()[m];
+      if (t > 0) keyed[m].emplace(keys.data_ptr<int64_t>()[m], where.data_ptr<int64_t>()[m], t);
+    }
+  }
   if (M == 0) return at::empty({0}, x_in.options().dtype(at::kLong));
-  const bool bounded = eagle::cpu::use_avx512_vnni() ? M <= kMaxBoundRows : eagle::cpu::has_avx2() && M == 1;
-  if (!bounded) return full_argmax(x_in, w);
   const at::Tensor x = x_in.contiguous();
+  const bool bounded = eagle::cpu::use_avx512_vnni() ? M <= kMaxBoundRows : eagle::cpu::has_avx2() && M == 1;
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
+  std::fill(o, o + M, -1);
 #if defined(__x86_64__)
-  argmax_bounded(x, planes, rows, dmax, o);
+  if (bounded) argmax_bounded(x, planes, rows, dmax, keyed, o);
 #endif
-  for (int64_t m = 0; m < M; ++m)  // rows with a non-finite value
-    if (o[m] < 0) o[m] = full_argmax(x.narrow(0, m, 1), w).item<int64_t>();
+  // The full product: rows past the bounds' reach, or with a non-finite value (in x: its quantized values, finite,
+  // need not obey the bounds); the same rules (keyed_draw).
+  std::vector<int64_t> rest;
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t m = 0; m < M; ++m) {
+    bool finite = true;
+    for (int64_t k = 0; k < K; ++k) finite = finite && (xb[m * K + k] & 0x7F80) != 0x7F80;
+    if (o[m] < 0 || !finite) rest.push_back(m);
+  }
+  if (rest.empty()) return out;
+  const at::Tensor logits =
+      eagle::cpu::linear_q(rest.size() == static_cast<size_t>(M) ? x : x.index_select(0, at::tensor(rest)), w, 8,
+                           at::kFloat).contiguous();
+  at::parallel_for(0, static_cast<int64_t>(rest.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m = rest[i];
+      const eagle::cpu::Keyed* k = keyed[m] ? &*keyed[m] : nullptr;
+      // keyed_draw at temperature 0 is argmax_rows' rule
+      o[m] = eagle::cpu::keyed_draw(logits.data_ptr<float>() + i * N, N, k ? keys.data_ptr<int64_t>()[m] : 0,
+                                    k ? where.data_ptr<int64_t>()[m] : 0, k ? k->t : 0.f, nullptr);
+    }
+  });
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(eagle, m) {
-  m.def("argmax_q8(Tensor x, Tensor w, Tensor planes, Tensor rows, Tensor dmax) -> Tensor");
+  m.def("argmax_q8(Tensor x, Tensor w, Tensor planes, Tensor rows, Tensor dmax, Tensor? temperatures=None, "
+        "Tensor? seeds=None, Tensor? positions=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle, CPU, m) {

@@ -271,8 +271,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_cha
   std::vector<int64_t> top(B);
   at::Tensor score = at::zeros({B}, at::kFloat);
   const int64_t* map = d2t_host.data_ptr<int64_t>();
-  // Sampled rows draw their drafts keyed, as the target draws (eagle_kernels.sample_keyed): the draft's
-  // softmax at the row's temperature, under the noise of the draft's target id at its position.
+  // Sampled rows draw their drafts keyed, as the target draws (eagle_kernels.sample_keyed): the draft's logits at
+  // the row's temperature, under the noise of the draft's target id at its position.
   const at::Tensor target_ids = keyed ? at::arange(d2t_host.size(0), at::kLong) + d2t_host : at::Tensor();
   for (int64_t d = 1; d <= levels; ++d) {
     if (d > 1) {
@@ -294,10 +294,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_cha
     else top1_rows<float>(logits.to(at::kFloat), best.data_ptr<float>(), top.data());
     for (int64_t b = 0; keyed && b < B; ++b) {
       if (!(temperatures[b] > 0)) continue;
-      const at::Tensor row = logits[b].to(at::kFloat);
-      const at::Tensor probs = at::softmax(row.div(temperatures[b]), 0).contiguous();
-      top[b] = eagle::cpu::keyed_draw(probs.data_ptr<float>(), probs.size(0), keys[b], firsts[b] + d - 1,
-                                      target_ids.data_ptr<int64_t>());
+      const at::Tensor row = logits[b].to(at::kFloat).contiguous();
+      top[b] = eagle::cpu::keyed_draw(row.data_ptr<float>(), row.size(0), keys[b], firsts[b] + d - 1,
+                                      static_cast<float>(temperatures[b]), target_ids.data_ptr<int64_t>());
       best.data_ptr<float>()[b] = row.data_ptr<float>()[top[b]];
     }
     for (int64_t b = 0; b < B; ++b)  // the draft vocabulary's id -> the target's

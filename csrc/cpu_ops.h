@@ -28,9 +28,24 @@ at::Tensor embedding_q(const at::Tensor& ids, const at::Tensor& w, int64_t qtype
 // embedding_q into out, a contiguous bf16 or fp32 CPU [T, K] (out's dtype is the output's)
 void embedding_q_into(const at::Tensor& ids, const at::Tensor& w, int64_t qtype, at::Tensor& out);
 at::Tensor argmax_rows(const at::Tensor& x);  // fp32 [..., V] -> int64 [...]: each row's first maximum (or NaN)
-// One keyed draw from p [V] (csrc/cpu_sample.cpp): the column whose token (ids[i], or i) wins the exponential race
-// under the noise of (seed, position).
-int64_t keyed_draw(const float* p, int64_t V, int64_t seed, int64_t position, const int64_t* ids);
+int64_t first_max(const float* x, int64_t V);  // one row's: the first maximum's index (or the first NaN's)
+// Keyed draws (csrc/cpu_sample.cpp): the noise of (seed, position) at a temperature T > 0.
+struct Keyed {
+  uint32_t k0, k1;
+  float t, inv_t;
+  Keyed(int64_t seed, int64_t position, float temperature);
+  // The exact score of token `id` with logit l: l / T - log(-log(u_id)), in double.
+  double score(float logit, int64_t id) const;
+  // c[i] = b[i] / T + an upper bound of token (ids[i], or i)'s noise for i in [begin, end), fp32 (c may be b):
+  // where b[i] >= l[i], c[i] >= score(l[i]) - what reach() takes off.
+  void bounds(const float* b, float* c, int64_t begin, int64_t end, const int64_t* ids) const;
+  // The fp32 value a token's bound must reach to possibly score >= floor; margin: how far the b's may fall
+  // short of the logits (0: exact).
+  float reach(double floor, double margin) const;
+};
+// One keyed draw from logits l [V] at temperature T (<= 0: argmax_rows' rule): the column whose token (ids[i], or
+// i) has the largest score l / T + g.
+int64_t keyed_draw(const float* l, int64_t V, int64_t seed, int64_t position, float temperature, const int64_t* ids);
 // The Llama decoder stack in one call (csrc/cpu_decoder.cpp; eagle_kernels/decoder.py has the contract).
 std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
     at::Tensor& hidden, at::TensorList weights, at::IntArrayRef formats, double eps, const at::Tensor& cos,

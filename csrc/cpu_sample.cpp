@@ -1,27 +1,30 @@
-// Keyed draws: one token from each probability row with noise that is a fixed function of (seed, position,
-// token id), so a request draws the same token at a position whichever step, method or batch draws it.
+// Keyed draws: one token from each row of logits at a temperature, with noise that is a fixed function of (seed,
+// position, token id), so a request draws the same token at a position whichever step, method or batch draws it,
+// and whether the logits were all computed (this file) or only bounded (cpu_argmax_q.cpp's quantized LM head).
 //
 // The noise (eagle_kernels/sampling.py `keyed_uniforms` is the reference, in torch):
 //   (k0, k1) = keys(seed, position);  h_i = mix(mix(i ^ k0) ^ k1);  u_i = (h_i + 0.5) 2^-32 in (0, 1)
-// and the draw is the exponential race: token = argmax_i p_i / E_i, E_i = -log(u_i) ~ Exp(1) i.i.d. (an exact
-// draw from p; the first index among equals).
+// and the draw is the Gumbel max: token = argmax_i s_i, s_i = l_i / T + g_i, g_i = -log(-log(u_i)), in double (an
+// exact draw from softmax(l / T); the first index among equals; T = 0: the argmax of l, argmax_rows' rule).
 //
-// Without a log per token: 1 - u <= -log(u) <= (1 - u) / u bounds each p_i / E_i within [p u / (1 - u),
-// p / (1 - u)], so only the tokens whose upper bound reaches the largest lower bound can win (a handful: the
-// likely ones and those whose u is near 1). Those are computed exactly, in double precision, in the same scalar
-// code on every instruction set: the bounds (vectorised where the compiler can) only pick the candidates, with
-// a relative slack that covers their fp32 rounding, so the token is the same bits on AVX2, AVX-512 and without.
+// Without two logs per token: g is bounded from above by a table over the leading bits of ~h (1 - u's, where g
+// moves fastest: a bucket of 2^-6 of 1 - u's scale), so c_i = l_i (1 / T) + gub_i (fp32, vectorised) bounds s_i;
+// only the tokens whose bound reaches the best exact score (less a slack for the bound's fp32 rounding) are
+// scored exactly, by the same double arithmetic on every instruction set, so the token is the same bits on AVX2,
+// AVX-512 and without, from exact logits or from bounded ones.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "cpu_vec.h"
 
 namespace eagle {
@@ -39,28 +42,41 @@ inline uint32_t mix(uint32_t x) {
   return x;
 }
 
-struct Keys {
-  uint32_t k0, k1;
-};
-
-inline Keys keys(int64_t seed, int64_t position) {
-  const uint64_t s = static_cast<uint64_t>(seed);
-  const uint32_t k0 = mix(static_cast<uint32_t>(position) ^ mix(static_cast<uint32_t>(s) ^ 0x9e3779b9u));
-  return {k0, mix(k0 ^ static_cast<uint32_t>(s >> 32) ^ 0x85ebca6bu)};
+inline uint32_t pattern(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  return b;
 }
 
-inline uint32_t bits(uint32_t i, Keys k) { return mix(mix(i ^ k.k0) ^ k.k1); }
+// The noise's bound table. v = ~h (so 1 - u = (v + 0.5) 2^-32); its bucket: f = float(v >> 8) (exact: < 2^24),
+// by f's exponent and the top kNoiseBits bits of its mantissa (bucket 0: f = 0). g grows as v falls, so a bucket's
+// bound is g at its lowest v, rounded up.
+constexpr int kNoiseBits = 6;
+constexpr int kNoiseBase = (127 << kNoiseBits) - 1;  // f = 1 -> bucket 1
+constexpr int kNoiseBuckets = (24 << kNoiseBits) + 1;
 
-// The largest lower bound of the row's p_i / E_i (NaN where a p_i is NaN), from u = (h + 0.5) 2^-32 and 1 - u =
-// (~h + 0.5) 2^-32 in fp32; h (scratch, V) gets the row's hashes. Results do not depend on the path (see the top).
-float lower_bounds_plain(const float* p, int64_t V, Keys k, const int64_t* ids, uint32_t* h) {
-  for (int64_t i = 0; i < V; ++i) h[i] = bits(static_cast<uint32_t>(ids ? ids[i] : i), k);
-  float best = 0.f;
-  for (int64_t i = 0; i < V; ++i) {
-    const float lb = p[i] * ((static_cast<float>(h[i]) + 0.5f) / (static_cast<float>(~h[i]) + 0.5f));
-    best = lb != lb ? lb : std::max(best, lb);  // a NaN stays (keyed_draw looks for it)
-  }
-  return best;
+inline int noise_bucket(uint32_t v) {
+  return std::max<int>(static_cast<int>(pattern(static_cast<float>(v >> 8)) >> (23 - kNoiseBits)) - kNoiseBase, 0);
+}
+
+const float* noise_table() {
+  static const std::array<float, kNoiseBuckets> table = [] {
+    std::array<float, kNoiseBuckets> t{};
+    for (int i = 0; i < kNoiseBuckets; ++i) {
+      float f = 0.f;
+      if (i > 0) {
+        const uint32_t bits = static_cast<uint32_t>(i + kNoiseBase) << (23 - kNoiseBits);
+        std::memcpy(&f, &bits, 4);
+      }
+      const double u = 1.0 - (static_cast<double>(f) * 256.0 + 0.5) * 0x1p-32;  // the bucket's largest u
+      const double g = -std::log(-std::log(u));
+      float up = static_cast<float>(g);
+      up = std::nextafter(std::nextafter(up, INFINITY), INFINITY);  // rounded up, and an ulp more
+      t[i] = up;
+    }
+    return t;
+  }();
+  return table.data();
 }
 
 #if defined(__x86_64__)
@@ -74,58 +90,42 @@ EAGLE_AVX2 inline __m256i mix8(__m256i x) {
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 14));
 }
 
-// uint32 lanes + 0.5 -> fp32, rounded once from the exact halves (relative error <= 2^-24, then the + 0.5's).
-EAGLE_AVX2 inline __m256 plus_half(__m256i h) {
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(h, 16));
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(h, _mm256_set1_epi32(0xFFFF)));
-  return _mm256_add_ps(_mm256_fmadd_ps(hi, _mm256_set1_ps(65536.f), lo), _mm256_set1_ps(0.5f));
-}
-
-EAGLE_AVX2 float lower_bounds_avx2(const float* p, int64_t V, Keys k, const int64_t* ids, uint32_t* h) {
-  if (ids)
-    for (int64_t i = 0; i < V; ++i) h[i] = bits(static_cast<uint32_t>(ids[i]), k);
-  const __m256i k0 = _mm256_set1_epi32(static_cast<int32_t>(k.k0)), k1 = _mm256_set1_epi32(static_cast<int32_t>(k.k1));
-  const __m256i all = _mm256_set1_epi32(-1), eight = _mm256_set1_epi32(8);
-  __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  __m256 best8 = _mm256_setzero_ps(), nan8 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= V; i += 8, at = _mm256_add_epi32(at, eight)) {
-    __m256i hv;
-    if (ids) {
-      hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i));
-    } else {
-      hv = mix8(_mm256_xor_si256(mix8(_mm256_xor_si256(at, k0)), k1));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + i), hv);
+// c[i] = b[i] * inv_t + gub(h_i) for i in [begin, end), 8 at a time -> where the scalar tail starts.
+EAGLE_AVX2 int64_t bounds_avx2(const float* b, float* c, int64_t begin, int64_t end, uint32_t k0, uint32_t k1,
+                               float inv_t, const int64_t* ids) {
+  const float* table = noise_table();
+  const __m256i key0 = _mm256_set1_epi32(static_cast<int32_t>(k0)), key1 = _mm256_set1_epi32(static_cast<int32_t>(k1));
+  const __m256i all = _mm256_set1_epi32(-1), eight = _mm256_set1_epi32(8), base = _mm256_set1_epi32(kNoiseBase);
+  const __m256 it = _mm256_set1_ps(inv_t);
+  __m256i at = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int32_t>(begin)));
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8, at = _mm256_add_epi32(at, eight)) {
+    __m256i id = at;
+    if (ids) {  // the ids' low 32 bits (token ids are small)
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ids + i));
+      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ids + i + 4));
+      id = _mm256_permutevar8x32_epi32(_mm256_castps_si256(_mm256_shuffle_ps(
+                                           _mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi), _MM_SHUFFLE(2, 0, 2, 0))),
+                                       _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
     }
-    const __m256 ratio = _mm256_div_ps(plus_half(hv), plus_half(_mm256_xor_si256(hv, all)));
-    const __m256 pv = _mm256_loadu_ps(p + i);
-    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(pv, pv, _CMP_UNORD_Q));
-    best8 = _mm256_max_ps(best8, _mm256_mul_ps(pv, ratio));
+    const __m256i v = _mm256_xor_si256(mix8(_mm256_xor_si256(mix8(_mm256_xor_si256(id, key0)), key1)), all);
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 8));
+    const __m256i bucket = _mm256_max_epi32(
+        _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(f), 23 - kNoiseBits), base), _mm256_setzero_si256());
+    const __m256 gub = _mm256_i32gather_ps(table, bucket, 4);
+    _mm256_storeu_ps(c + i, _mm256_fmadd_ps(_mm256_loadu_ps(b + i), it, gub));
   }
-  float lanes[8];
-  _mm256_storeu_ps(lanes, best8);
-  float best = _mm256_movemask_ps(nan8) ? NAN : *std::max_element(lanes, lanes + 8);
-  for (; i < V; ++i) {
-    if (!ids) h[i] = bits(static_cast<uint32_t>(i), k);
-    const float lb = p[i] * ((static_cast<float>(h[i]) + 0.5f) / (static_cast<float>(~h[i]) + 0.5f));
-    best = lb != lb ? lb : std::max(best, lb);
-  }
-  return best;
+  return i;
 }
 
-// The exact pass's candidates 8 at a time: calls exact(i) for each i whose upper bound reaches `reach`, in order;
-// -> where the scalar tail starts.
+// Calls exact(i), in order, for each i whose bound c[i] reaches `reach`, 8 at a time -> where the scalar tail starts.
 template <typename Fn>
-EAGLE_AVX2 int64_t candidates_avx2(const float* p, int64_t V, const uint32_t* h, float reach, float scale, Fn&& exact) {
-  const __m256i all = _mm256_set1_epi32(-1);
-  const __m256 r = _mm256_set1_ps(reach), c = _mm256_set1_ps(scale);
+EAGLE_AVX2 int64_t candidates_avx2(const float* c, int64_t V, float reach, Fn&& exact) {
+  const __m256 r = _mm256_set1_ps(reach);
   int64_t i = 0;
-  for (; i + 8 <= V; i += 8) {
-    const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i));
-    const __m256 lhs = _mm256_mul_ps(_mm256_loadu_ps(p + i), c);
-    const __m256 rhs = _mm256_mul_ps(r, plus_half(_mm256_xor_si256(hv, all)));
-    for (int m = _mm256_movemask_ps(_mm256_cmp_ps(lhs, rhs, _CMP_GE_OQ)); m; m &= m - 1) exact(i + __builtin_ctz(m));
-  }
+  for (; i + 8 <= V; i += 8)
+    for (int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(c + i), r, _CMP_GE_OQ)); m; m &= m - 1)
+      exact(i + __builtin_ctz(m));
   return i;
 }
 #endif
@@ -133,56 +133,85 @@ EAGLE_AVX2 int64_t candidates_avx2(const float* p, int64_t V, const uint32_t* h,
 }  // namespace
 
 namespace cpu {
-// One keyed draw from p [V] (probabilities, or any non-negative multiple of them); ids [V] (or null: 0 .. V - 1)
-// the token id of each column, whose noise it takes.
-int64_t keyed_draw(const float* p, int64_t V, int64_t seed, int64_t position, const int64_t* ids) {
-  thread_local std::vector<uint32_t> scratch;
-  if (static_cast<int64_t>(scratch.size()) < V) scratch.resize(V);
-  uint32_t* h = scratch.data();
-  const Keys k = keys(seed, position);
+
+Keyed::Keyed(int64_t seed, int64_t position, float temperature) : t(temperature), inv_t(1.f / temperature) {
+  const uint64_t s = static_cast<uint64_t>(seed);
+  k0 = mix(static_cast<uint32_t>(position) ^ mix(static_cast<uint32_t>(s) ^ 0x9e3779b9u));
+  k1 = mix(k0 ^ static_cast<uint32_t>(s >> 32) ^ 0x85ebca6bu);
+}
+
+double Keyed::score(float logit, int64_t id) const {
+  const uint32_t h = mix(mix(static_cast<uint32_t>(id) ^ k0) ^ k1);
+  const double u = (static_cast<double>(h) + 0.5) * 0x1p-32;
+  return static_cast<double>(logit) / static_cast<double>(t) - std::log(-std::log(u));
+}
+
+void Keyed::bounds(const float* b, float* c, int64_t begin, int64_t end, const int64_t* ids) const {
+  int64_t i = begin;
 #if defined(__x86_64__)
-  const bool avx2 = eagle::cpu::has_avx2();
-  const float floor = (avx2 ? lower_bounds_avx2 : lower_bounds_plain)(p, V, k, ids, h);
-#else
-  const float floor = lower_bounds_plain(p, V, k, ids, h);
+  if (has_avx2()) i = bounds_avx2(b, c, begin, end, k0, k1, inv_t, ids);
 #endif
-  if (floor != floor)  // a NaN: it wins, as in the reference's argmax (the first)
-    for (int64_t i = 0; i < V; ++i)
-      if (p[i] != p[i]) return i;
-  // A token can win where its upper bound p 2^32 / (~h + 0.5) reaches the largest lower bound; the slack covers
-  // both bounds' fp32 rounding (a few ulps).
-  const float reach = floor * (1.f - 0x1p-16f), scale = (1.f + 0x1p-16f) * 0x1p32f;
-  int64_t at = -1;
-  double best = -1.0;
+  const float* table = noise_table();
+  for (; i < end; ++i) {
+    const uint32_t h = mix(mix(static_cast<uint32_t>(ids ? ids[i] : i) ^ k0) ^ k1);
+    c[i] = std::fma(b[i], inv_t, table[noise_bucket(~h)]);
+  }
+}
+
+float Keyed::reach(double floor, double margin) const {
+  // c_i (one fp32 product and an fma from l_i and gub_i >= g_i) falls short of s_i by at most a few 2^-24 of
+  // |s_i| + 2 max|g|; 2^-20 (|floor| + 64) covers it where s_i >= floor. margin: the bounds' own slack in logits.
+  const double r = floor - margin * static_cast<double>(inv_t) * (1 + 0x1p-20) - 0x1p-20 * (std::fabs(floor) + 64);
+  float f = static_cast<float>(r);
+  return static_cast<double>(f) > r ? std::nextafter(f, -INFINITY) : f;
+}
+
+int64_t keyed_draw(const float* l, int64_t V, int64_t seed, int64_t position, float temperature, const int64_t* ids) {
+  int64_t at = first_max(l, V);  // argmax_rows' rule: the first maximum, a NaN the first of all
+  // greedy; a NaN or +inf (their scores, whatever the noise: the first wins); no token allowed (all -inf)
+  if (!(temperature > 0) || !std::isfinite(l[at])) return at;
+  const Keyed k(seed, position, temperature);
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < V) scratch.resize(V);
+  float* c = scratch.data();
+  k.bounds(l, c, 0, V, ids);
+  const int64_t lead = first_max(c, V);  // likely the winner: its score is the floor the others must reach
+  const float reach = k.reach(k.score(l[lead], ids ? ids[lead] : lead), 0.0);
+  double best = -INFINITY;
+  at = lead;
   const auto exact = [&](int64_t i) {
-    if (!(p[i] > 0.f)) return;
-    const double v = static_cast<double>(p[i]) / -std::log((static_cast<double>(h[i]) + 0.5) * 0x1p-32);
-    if (v > best) best = v, at = i;
+    const double s = k.score(l[i], ids ? ids[i] : i);
+    if (s > best) best = s, at = i;  // in index order: the first among equals
   };
   int64_t i = 0;
 #if defined(__x86_64__)
-  if (avx2) i = candidates_avx2(p, V, h, reach, scale, exact);
+  if (has_avx2()) i = candidates_avx2(c, V, reach, exact);
 #endif
   for (; i < V; ++i)
-    if (p[i] * scale >= reach * (static_cast<float>(~h[i]) + 0.5f)) exact(i);
-  return at < 0 ? 0 : at;  // every p_i = 0 (no distribution): column 0, as the reference's argmax of zeros
+    if (c[i] >= reach) exact(i);
+  return at;
 }
+
 }  // namespace cpu
 
 namespace {
 
-// probs fp32 [..., V], seeds and positions int64 [...], ids int64 [V] or None -> int64 [...] (column indices).
-at::Tensor sample_keyed_cpu(const at::Tensor& probs_in, const at::Tensor& seeds_in, const at::Tensor& positions_in,
-                            const c10::optional<at::Tensor>& ids_in) {
-  TORCH_CHECK_VALUE(probs_in.scalar_type() == at::kFloat && probs_in.dim() >= 1 && probs_in.size(-1) > 0,
-                    "sample_keyed: probs must be fp32 [..., V] with V > 0");
-  auto lead = probs_in.sizes().vec();
+// logits fp32 [..., V], temperatures fp32 [...] (0: argmax), seeds and positions int64 [...], ids int64 [V] or
+// None -> int64 [...] (column indices).
+at::Tensor sample_keyed_cpu(const at::Tensor& logits_in, const at::Tensor& temperatures_in, const at::Tensor& seeds_in,
+                            const at::Tensor& positions_in, const c10::optional<at::Tensor>& ids_in) {
+  TORCH_CHECK_VALUE(logits_in.scalar_type() == at::kFloat && logits_in.dim() >= 1 && logits_in.size(-1) > 0,
+                    "sample_keyed: logits must be fp32 [..., V] with V > 0");
+  auto lead = logits_in.sizes().vec();
   lead.pop_back();
+  TORCH_CHECK_VALUE(temperatures_in.scalar_type() == at::kFloat && temperatures_in.sizes().vec() == lead,
+                    "sample_keyed: temperatures must be fp32 shaped like logits without its last dim");
   for (const auto* t : {&seeds_in, &positions_in})
     TORCH_CHECK_VALUE(t->scalar_type() == at::kLong && t->sizes().vec() == lead,
-                      "sample_keyed: seeds and positions must be int64 shaped like probs without its last dim");
-  const at::Tensor probs = probs_in.contiguous(), seeds = seeds_in.contiguous(), positions = positions_in.contiguous();
-  const int64_t V = probs.size(-1), rows = probs.numel() / V;
+                      "sample_keyed: seeds and positions must be int64 shaped like logits without its last dim");
+  const at::Tensor logits = logits_in.contiguous(), temps = temperatures_in.contiguous(), seeds = seeds_in.contiguous(),
+                   positions = positions_in.contiguous();
+  const int64_t V = logits.size(-1), rows = logits.numel() / V;
   at::Tensor ids;
   if (ids_in.has_value()) {
     ids = ids_in->contiguous();
@@ -191,11 +220,11 @@ at::Tensor sample_keyed_cpu(const at::Tensor& probs_in, const at::Tensor& seeds_
   }
   const int64_t* idp = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
   at::Tensor out = at::empty(lead, seeds.options());
-  const float* p = probs.data_ptr<float>();
+  const float *l = logits.data_ptr<float>(), *t = temps.data_ptr<float>();
   const int64_t *s = seeds.data_ptr<int64_t>(), *pos = positions.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) o[r] = cpu::keyed_draw(p + r * V, V, s[r], pos[r], idp);
+    for (int64_t r = r0; r < r1; ++r) o[r] = cpu::keyed_draw(l + r * V, V, s[r], pos[r], t[r], idp);
   });
   return out;
 }
@@ -211,12 +240,6 @@ struct TopP {
   std::vector<int64_t> edge;
   std::vector<std::pair<float, int64_t>> cut;
 };
-
-inline uint32_t pattern(float v) {
-  uint32_t b;
-  std::memcpy(&b, &v, 4);
-  return b;
-}
 
 void top_p_row(const float* p, int64_t V, double top_p, float* o, TopP& s) {
   constexpr int kBins = 1 << 13;

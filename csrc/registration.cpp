@@ -15,9 +15,9 @@ TORCH_LIBRARY(eagle, m) {
         " Tensor uniforms, Tensor? draft_probs=None) -> (Tensor, Tensor, Tensor)");
   // The first index of each row's maximum (CPU, fp32 [..., V] -> int64 [...]).
   m.def("argmax_rows(Tensor x) -> Tensor");
-  // One keyed draw a row from probabilities fp32 [..., V]: seeds, positions int64 [...], the columns' token ids
-  // int64 [V] (None: 0 .. V - 1) -> column indices int64 [...] (CPU).
-  m.def("sample_keyed(Tensor probs, Tensor seeds, Tensor positions, Tensor? ids=None) -> Tensor");
+  // One keyed draw a row from logits fp32 [..., V] at temperatures fp32 [...] (0: the argmax): seeds, positions
+  // int64 [...], the columns' token ids int64 [V] (None: 0 .. V - 1) -> column indices int64 [...] (CPU).
+  m.def("sample_keyed(Tensor logits, Tensor temperatures, Tensor seeds, Tensor positions, Tensor? ids=None) -> Tensor");
   // Top-k then top-p: probs fp32 [R, V], top_k (>= V: off), top_p (>= 1: off), one a row -> the kept tokens
   // renormalised, fp32 [R, V] (CPU).
   m.def("truncate_probs(Tensor probs, int[] top_k, float[] top_p) -> Tensor");

@@ -340,6 +340,7 @@ at::Tensor greedy_verdict_cpu(const at::Tensor& parents_in, const at::Tensor& to
 }  // namespace
 
 namespace cpu {
+int64_t first_max(const float* x, int64_t V) { return argmax_row(x, V); }
 at::Tensor argmax_rows(const at::Tensor& x) { return argmax_rows_cpu(x); }
 }  // namespace cpu
 

@@ -105,15 +105,18 @@ def argmax_planes(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return planes, rows.contiguous(), dw.float().abs().amax(0).contiguous()
 
 
-def argmax_q8(x: torch.Tensor, data: torch.Tensor, planes: torch.Tensor, rows: torch.Tensor,
-              dmax: torch.Tensor) -> torch.Tensor:
-    """The greedy token of a Q8_0 LM head: x [M, K] -> int64 [M], exactly argmax(linear_q(x, data, "q8_0",
-    float32)) (the first maximum), from argmax_planes' bounds and the exact logits of the few rows they cannot
-    rule out (AVX-512 VNNI; elsewhere that full product)."""
+def argmax_q8(x: torch.Tensor, data: torch.Tensor, planes: torch.Tensor, rows: torch.Tensor, dmax: torch.Tensor,
+              keyed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The token of a Q8_0 LM head: x [M, K] -> int64 [M], exactly argmax(linear_q(x, data, "q8_0", float32))
+    (the first maximum), or with keyed = (temperatures fp32 [M], seeds, positions int64 [M]) exactly
+    sample_keyed(those logits, *keyed) (rows at temperature 0: the argmax), from argmax_planes' bounds and the
+    exact logits of the few rows they cannot rule out (AVX-512 VNNI, or AVX2 for one x row; elsewhere that full
+    product)."""
     if _ARGMAX_OP and x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        return ops().argmax_q8(x, data, planes, rows, dmax)
-    from .sampling import argmax
-    return argmax(linear_q(x, data, "q8_0", torch.float32))
+        return ops().argmax_q8(x, data, planes, rows, dmax, *(keyed or (None, None, None)))
+    from .sampling import argmax, sample_keyed
+    logits = linear_q(x, data, "q8_0", torch.float32)
+    return argmax(logits) if keyed is None else sample_keyed(logits, *keyed)
 
 
 # ----------------------------------------------------------------------------- layouts

@@ -30,26 +30,28 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.max(-1).indices
 
 
-def sample_keyed(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+def sample_keyed(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                  ids: torch.Tensor | None = None) -> torch.Tensor:
-    """One exact draw a row from probs fp32 [..., V] (rows summing to 1, or any positive multiple), keyed: the
-    noise is a fixed function of (seeds[...], positions[...], token id) (keyed_uniforms), so the same row, seed
-    and position give the same token whichever step, method or batch draws it. seeds, positions: int64 [...];
-    ids: int64 [V], the token id of each column (a draft vocabulary's columns; None: the column index)
-    -> the drawn columns, int64 [...].
-    The exponential race argmax_i p_i / E_i, E_i = -log(u_i); CPU: the C++ op (csrc/cpu_sample.cpp, a log only
-    for the few tokens that can win), elsewhere sample_keyed_reference. A NaN row gives its first NaN's index."""
-    lead = probs.shape[:-1]
-    if probs.dtype != torch.float32 or probs.dim() < 1 or probs.shape[-1] == 0:
-        raise ValueError(f"sample_keyed: probs must be fp32 [..., V] with V > 0, got {probs.dtype} {tuple(probs.shape)}")
-    for name, t in (("seeds", seeds), ("positions", positions)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.shape != lead or t.device != probs.device:
-            raise ValueError(f"sample_keyed: {name} must be int64 {tuple(lead)} on {probs.device}")
-    if ids is not None and (ids.dtype != torch.int64 or ids.shape != probs.shape[-1:] or ids.device != probs.device):
-        raise ValueError(f"sample_keyed: ids must be int64 [{probs.shape[-1]}] on {probs.device}")
-    if _KEYED_CPU and probs.device.type == "cpu" and not gpu_path(probs):
-        return ops().sample_keyed(probs, seeds, positions, ids)
-    return sample_keyed_reference(probs, seeds, positions, ids)
+    """One exact draw a row from softmax(logits / T), keyed: the noise is a fixed function of (seeds[...],
+    positions[...], token id) (keyed_uniforms), so the same row, temperature, seed and position give the same
+    token whichever step, method or batch draws it. logits fp32 [..., V] (-inf: a token not allowed);
+    temperatures fp32 [...] (0: the row's argmax); seeds, positions int64 [...]; ids int64 [V], the token id of
+    each column (a draft vocabulary's columns; None: the column index) -> the drawn columns, int64 [...].
+    The Gumbel max argmax_i l_i / T - log(-log(u_i)) in float64 (the first index among equals; a NaN or +inf row
+    gives its first NaN's or +inf's index); CPU: the C++ op (csrc/cpu_sample.cpp, two logs only for the few tokens
+    that can win), elsewhere sample_keyed_reference."""
+    lead = logits.shape[:-1]
+    if logits.dtype != torch.float32 or logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"sample_keyed: logits must be fp32 [..., V] with V > 0, got {logits.dtype} {tuple(logits.shape)}")
+    for name, t, dtype in (("temperatures", temperatures, torch.float32), ("seeds", seeds, torch.int64),
+                           ("positions", positions, torch.int64)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.shape != lead or t.device != logits.device:
+            raise ValueError(f"sample_keyed: {name} must be {dtype} {tuple(lead)} on {logits.device}")
+    if ids is not None and (ids.dtype != torch.int64 or ids.shape != logits.shape[-1:] or ids.device != logits.device):
+        raise ValueError(f"sample_keyed: ids must be int64 [{logits.shape[-1]}] on {logits.device}")
+    if _KEYED_CPU and logits.device.type == "cpu" and not gpu_path(logits):
+        return ops().sample_keyed(logits, temperatures, seeds, positions, ids)
+    return sample_keyed_reference(logits, temperatures, seeds, positions, ids)
 
 
 _M32 = 0xFFFFFFFF
@@ -79,11 +81,13 @@ def keyed_uniforms(seeds: torch.Tensor, positions: torch.Tensor, ids: "int | tor
     return (h.double() + 0.5) * 2.0 ** -32
 
 
-def sample_keyed_reference(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                           ids: torch.Tensor | None = None) -> torch.Tensor:
-    """sample_keyed in torch ops (any device): argmax(p / -log(u)) in float64."""
-    u = keyed_uniforms(seeds, positions, probs.shape[-1] if ids is None else ids)
-    return (probs.double() / -u.log()).max(-1).indices
+def sample_keyed_reference(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                           positions: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """sample_keyed in torch ops (any device): argmax(l / T - log(-log(u))) in float64 (T = 0: argmax(l))."""
+    u = keyed_uniforms(seeds, positions, logits.shape[-1] if ids is None else ids)
+    t = temperatures.double()[..., None]
+    x = logits.double()
+    return torch.where(t > 0, x / t - (-u.log()).log(), x).max(-1).indices
 
 
 def _fail(msg):

@@ -130,21 +130,32 @@ class Decoder:
         B = len(seqs)
         Bp = self.runner.batch_rows(B)
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [1] * B).padded(Bp)
-        if self.greedy_only(seqs):  # the step's tokens straight from the model (Llama.greedy)
-            g = self.runner.graph(self.graphs, ("decode_greedy", Bp), plan, self._decode_greedy, {}, host_ids=True)
-            return Verdict.decoded(g.run(plan, host_ids=[s.last_id for s in seqs])[:B].tolist())
+        if self.direct(seqs):  # the step's tokens straight from the model (Llama.tokens)
+            keyed = self.keyed_inputs(seqs)
+            g = self.runner.graph(self.graphs, ("decode_tokens", Bp, bool(keyed)), plan, self._decode_tokens,
+                                  {k: ((Bp,), t.dtype) for k, t in keyed.items()}, host_ids=True)
+            return Verdict.decoded(g.run(plan, host_ids=[s.last_id for s in seqs], **keyed)[:B].tolist())
         g = self.runner.graph(self.graphs, ("decode", Bp), plan, self._decode, {}, host_ids=True)
         logits = g.run(plan, host_ids=[s.last_id for s in seqs])
         return self.sampled(seqs, self.sampler.adjust(logits if Bp == B else logits[:B], seqs))
 
-    def greedy_only(self, seqs: list[Sequence]) -> bool:
-        """Whether a step's tokens are the argmax of the target's raw logits for every sequence: greedy, no
-        logprobs asked, nothing that adjusts the logits (then no step needs them all)."""
-        return all(s.params.greedy and s.params.logprobs is None for s in seqs) and not self.sampler.transforms(seqs)
+    def direct(self, seqs: list[Sequence]) -> bool:
+        """Whether a step's tokens come straight from the target's raw logits for every sequence (Llama.tokens:
+        the argmax, or a keyed draw at a temperature alone): no top-k / top-p, no logprobs asked, nothing that
+        adjusts the logits (then no step needs them all)."""
+        return (all(s.params.logprobs is None and (s.params.greedy or not s.params.truncates) for s in seqs)
+                and not self.sampler.transforms(seqs))
+
+    def keyed_inputs(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
+        """A direct step's keyed-draw inputs (Sampler.keyed: "temperatures", "seeds", "positions" [B] for the
+        sequences' next tokens), or {} when every sequence is greedy (the step takes argmaxes)."""
+        if all(s.params.greedy for s in seqs):
+            return {}
+        return dict(zip(("temperatures", "seeds", "positions"), self.sampler.keyed(seqs)))
 
     def sampled(self, seqs: list[Sequence], logits: torch.Tensor) -> "Verdict":
         """A token per sequence drawn from logits [B, V] (and its logprobs, where asked), copied to the host."""
-        tokens = self.sampler(logits, seqs)
+        tokens = self.sampler.draw(logits, seqs)
         if all(s.params.logprobs is None for s in seqs):
             return Verdict.decoded(tokens.tolist())
         logprobs = self.logprob_rows(seqs, logits[:, None], tokens[:, None])
@@ -164,14 +175,17 @@ class Decoder:
                                     tokens.index_select(0, rows).flatten(), max(seqs[b].params.logprobs for b in asked))
         return out.view(len(asked), n, -1)
 
-    def _decode(self, g, greedy: bool = False):
+    def _decode(self, g, tokens: bool = False):
         feature, captured = self.model(g.ids, g.positions, self.runner.layers, g.meta, self.capture,
                                        self.capture_into)
         self.store(g.meta.slot_mapping, feature, captured)
-        return self.model.greedy(feature) if greedy else self.model.logits(feature)
+        if not tokens:
+            return self.model.logits(feature)
+        keyed = tuple(g.inputs[k] for k in ("temperatures", "seeds", "positions")) if g.inputs else None
+        return self.model.tokens(feature, keyed)
 
-    def _decode_greedy(self, g):
-        return self._decode(g, greedy=True)
+    def _decode_tokens(self, g):
+        return self._decode(g, tokens=True)
 
     def stats(self) -> dict:
         return {}
@@ -285,12 +299,12 @@ class SpeculativeDecoder(Decoder):
         its KV (and what `store` keeps) to consecutive positions. Device only. -> summary int64 [B, 2N + 2]
         (accepted length, next token, path, tokens on it), and the new tokens' logprob_rows (or None).
 
-        A batch of greedy rows without logit transforms or logprobs is verified in one fixed-shape step
-        (_verify_greedy: a graph replay on a GPU). Otherwise the target forward is a step of its own and the
+        A batch whose tokens come straight from the model (Decoder.direct: greedy rows, rows sampled at a
+        temperature alone) is verified in one fixed-shape step (_verify_direct: a graph replay on a GPU). Otherwise the target forward is a step of its own and the
         rest runs eagerly after it: the transforms and sampled rows plan on the host (their parameters, the
         rows that ask), and logprobs need the logits out of the step."""
-        if self.fused and self.greedy_only(seqs):
-            return self._verify_greedy(seqs, tree), None
+        if self.fused and self.direct(seqs):
+            return self._verify_direct(seqs, tree), None
         B, N = tree.tokens.shape
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [N] * B)
         Bp = self.runner.batch_rows(B)
@@ -317,25 +331,33 @@ class SpeculativeDecoder(Decoder):
             logprobs = self.logprob_rows(seqs, logits.gather(1, at), new)
         return summary, logprobs
 
-    def _verify_greedy(self, seqs: list[Sequence], tree: Tree) -> torch.Tensor:
-        """verify's greedy case as one step, the StepGraph ("verify_greedy", Bp, N): target forward, tree
-        mask, acceptance, KV move and summary over the static trees (rows no tree fills: one-node trees).
+    def _verify_direct(self, seqs: list[Sequence], tree: Tree) -> torch.Tensor:
+        """verify's direct case as one step, the StepGraph ("verify_direct", Bp, N, keyed): target forward,
+        tree mask, the target's token at every node (its argmax, or its keyed draw at the node's position),
+        acceptance, KV move and summary over the static trees (rows no tree fills: one-node trees).
         -> summary int64 [B, 2N + 2]."""
         B, N = tree.tokens.shape
         Bp = self.runner.batch_rows(B)
         plan = self.plan(seqs, [cached_len(s) for s in seqs], [N] * B).padded(Bp)
-        g = self.runner.graph(self.graphs, ("verify_greedy", Bp, N), plan, self._verify_greedy_fn, {
+        keyed = self.keyed_inputs(seqs)  # positions: the roots' next tokens', num_tokens
+        g = self.runner.graph(self.graphs, ("verify_direct", Bp, N, bool(keyed)), plan, self._verify_direct_fn, {
             "ids": ((Bp, N), torch.int64), "depths": ((Bp, N), torch.int32),
-            "parents": ((Bp, N), torch.int32, -1), "sizes": ((Bp,), torch.int32, 1)})
-        summary = g.run(plan, ids=tree.tokens, depths=tree.depths, parents=tree.parents, sizes=tree.sizes)
+            "parents": ((Bp, N), torch.int32, -1), "sizes": ((Bp,), torch.int32, 1),
+            **{k: ((Bp,), t.dtype) for k, t in keyed.items()}})
+        summary = g.run(plan, ids=tree.tokens, depths=tree.depths, parents=tree.parents, sizes=tree.sizes, **keyed)
         return summary if Bp == B else summary[:B]
 
-    def _verify_greedy_fn(self, g):
+    def _verify_direct_fn(self, g):
         ids, parents, sizes = g.inputs["ids"], g.inputs["parents"], g.inputs["sizes"]
         Bp, N = ids.shape
         tree = Tree(ids, parents, g.inputs["depths"], None, sizes)
         meta = g.meta if self.causal else dataclasses.replace(g.meta, tree_mask=tree.mask())
-        target = self._target_over(ids, tree.depths, meta, greedy=True).view(Bp, N)          # argmax [Bp, N]
+        keyed = None
+        if "seeds" in g.inputs:  # node j of row b draws the token at num_tokens + depth
+            temps, seeds, firsts = (g.inputs[k] for k in ("temperatures", "seeds", "positions"))
+            keyed = (temps[:, None].expand(Bp, N).reshape(-1), seeds[:, None].expand(Bp, N).reshape(-1),
+                     (firsts[:, None] + tree.depths).reshape(-1))
+        target = self._target_over(ids, tree.depths, meta, tokens=True, keyed=keyed).view(Bp, N)     # [Bp, N]
         summary = eagle_kernels.greedy_verdict(parents, ids, sizes, target)                 # [Bp, 2N + 2]
         if not self.causal:
             self.keep_path(meta.slot_mapping.view(Bp, N), summary[:, 2:N + 2])
@@ -344,14 +366,14 @@ class SpeculativeDecoder(Decoder):
     def _verify_fn(self, g):
         return self._target_over(g.inputs["ids"], g.inputs["depths"], g.meta)
 
-    def _target_over(self, ids, depths, meta, greedy: bool = False):
-        """The target over the trees ids, depths [B, N] (what `store` keeps written) -> logits [B * N, V] (greedy:
-        their argmax [B * N])."""
+    def _target_over(self, ids, depths, meta, tokens: bool = False, keyed=None):
+        """The target over the trees ids, depths [B, N] (what `store` keeps written) -> logits [B * N, V] (tokens:
+        Llama.tokens of them, [B * N], with `keyed`)."""
         rope = meta.prefix_lens[:, None] + depths                                           # [B, N]
         feature, captured = self.model(ids.flatten(), rope.flatten(), self.runner.layers, meta,
                                        self.capture, self.capture_into)
         self.store(meta.slot_mapping, feature, captured)
-        return self.model.greedy(feature) if greedy else self.model.logits(feature)
+        return self.model.tokens(feature, keyed) if tokens else self.model.logits(feature)
 
     def accept(self, seqs, tree: Tree, logits, draft_probs):
         """Greedy rows accept while the draft equals the target's argmax. Sampled rows whose drafts are the
@@ -360,18 +382,14 @@ class SpeculativeDecoder(Decoder):
         drawn from draft distributions (draft_probs) go through tree rejection sampling.
         -> accept_path int32 [B, N], accept_len int32 [B], next_token int64 [B]."""
         args = (tree.parents, tree.tokens, tree.sizes)
-        target = argmax(logits)                                                              # [B, N]
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
-        if not sampled:
-            return eagle_kernels.tree_accept_greedy(*args, target)
+        if draft_probs is None or not sampled:  # the target's token at every node: greedy or keyed, as vanilla's
+            return eagle_kernels.tree_accept_greedy(*args, self.sampler.draw(logits, seqs, tree.depths.long()))
         rows = self.runner.index(sampled)
-        B, N = tree.tokens.shape
+        N = tree.tokens.shape[1]
         probs = self.sampler.probs(logits.index_select(0, rows), [seqs[b].params for b in sampled])
         picked = [seqs[b] for b in sampled]
-        if draft_probs is None:
-            drawn = self.sampler.draw(probs, picked, tree.depths.index_select(0, rows).long())   # [R, N]
-            return eagle_kernels.tree_accept_greedy(*args, target.index_copy(0, rows.long(), drawn))
-        path, length, nxt = eagle_kernels.tree_accept_greedy(*args, target)
+        path, length, nxt = eagle_kernels.tree_accept_greedy(*args, argmax(logits))
         # A fixed count a round (the widest tree's), whatever this round's width: a request's stream of
         # draws does not depend on the trees its companions made the round build.
         uniforms = self.sampler.uniforms(picked, (max(N, self.max_tree) + 1,))[:, :N + 1]

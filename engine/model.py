@@ -39,7 +39,7 @@ class QLinear(nn.Module):
         super().__init__()
         self.register_buffer("qweight", qweight)
         self.register_buffer("bias", bias)
-        self.argmax_parts = None  # argmax_q8's (planes, rows, dmax), built on first use (greedy)
+        self.argmax_parts = None  # argmax_q8's (planes, rows, dmax), built on first use (Llama.tokens)
         self.qtype, self.in_features, self.out_features = qtype, in_features, eagle_kernels.quant.out_features(qweight)
 
     @classmethod
@@ -53,14 +53,16 @@ class QLinear(nn.Module):
         y = eagle_kernels.linear_q(x, self.qweight, self.qtype, out_dtype)  # in x's dtype by default
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def greedy(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> int64 [M]: the argmax of self(x, fp32), the first maximum. A Q8_0 weight without bias
-        reads ~65% of its bytes for it (eagle_kernels.quant.argmax_q8; what it reads costs 1.65x the weight's memory)."""
+    def tokens(self, x: torch.Tensor, keyed: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """x [M, K] -> int64 [M]: the argmax of self(x, fp32), the first maximum, or with keyed = (temperatures,
+        seeds, positions) sample_keyed's draws from it. A Q8_0 weight without bias reads ~65% of its bytes for
+        them (eagle_kernels.quant.argmax_q8; what it reads costs 1.65x the weight's memory)."""
         if self.qtype != "q8_0" or self.bias is not None or self.qweight.device.type != "cpu":
-            return eagle_kernels.argmax(self(x, torch.float32))
+            logits = self(x, torch.float32)
+            return eagle_kernels.argmax(logits) if keyed is None else eagle_kernels.sample_keyed(logits, *keyed)
         if self.argmax_parts is None:
             self.argmax_parts = eagle_kernels.quant.argmax_planes(self.qweight)
-        return eagle_kernels.quant.argmax_q8(x, self.qweight, *self.argmax_parts)
+        return eagle_kernels.quant.argmax_q8(x, self.qweight, *self.argmax_parts, keyed=keyed)
 
 
 class QEmbedding(nn.Module):
@@ -249,12 +251,14 @@ class Llama(nn.Module):
             return self.lm_head(feature, torch.float32)
         return self.lm_head(feature).float()
 
-    def greedy(self, feature: torch.Tensor) -> torch.Tensor:
-        # feature: [N, H] -> int64 [N], argmax(logits(feature)): a greedy step's tokens, which a quantized head
-        # finds without computing every logit
+    def tokens(self, feature: torch.Tensor, keyed: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        # feature: [N, H] -> int64 [N]: argmax(logits(feature)), a greedy step's tokens, or with keyed =
+        # (temperatures fp32, seeds, positions int64 [N]) sample_keyed(logits(feature), *keyed) (temperature 0:
+        # the argmax); a quantized head finds them without computing every logit
         if isinstance(self.lm_head, QLinear):
-            return self.lm_head.greedy(feature)
-        return eagle_kernels.argmax(self.logits(feature))
+            return self.lm_head.tokens(feature, keyed)
+        logits = self.logits(feature)
+        return eagle_kernels.argmax(logits) if keyed is None else eagle_kernels.sample_keyed(logits, *keyed)
 
 
 def _stack_of(layers, final_norm: RMSNorm) -> tuple[list[torch.Tensor], list[int]] | None:

@@ -1,9 +1,10 @@
 """Token sampling without host syncs: argmax for greedy rows, keyed draws for sampled rows.
 
-A sampled token is argmax(p / E) with E ~ Exp(1) i.i.d. (the exponential race, an exact draw from p: no cumsum,
-no multinomial, no device->host copy), and E is a fixed function of (the request's key, the token's position,
-token id) (eagle_kernels.sample_keyed). So a request draws the same token at a position whichever step draws
-it, alone or in any batch: a speculative round that draws the target's token at every tree node (the position
+A sampled token is argmax(l / T + g) over the tokens top-k / top-p keep, with g ~ Gumbel i.i.d. (the Gumbel max,
+an exact draw from the tempered softmax: no cumsum, no multinomial, no device->host copy), and g a fixed function
+of (the request's key, the token's position, token id) (eagle_kernels.sample_keyed). So a request draws the same
+token at a position whichever step draws it, alone or in any batch, from all the logits or from a quantized LM
+head's bounds (Llama.tokens): a speculative round that draws the target's token at every tree node (the position
 each node predicts) and walks the tree as greedy verification does outputs exactly what vanilla sampling
 outputs for the same key. The key is the request's seed, or for a request without one a number drawn at its
 first draw from the engine's stream (LLM.reseed restarts it). Rejection sampling's uniforms (drafts that are
@@ -160,35 +161,40 @@ class Sampler:
         top = lp.topk(k, -1)
         return torch.cat([lp.gather(1, tokens[:, None]), top.indices.float(), top.values], 1)
 
-    def keys_at(self, seqs: list[Sequence], depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keyed draws' seeds and positions for tokens num_tokens + depth of seqs: int64 [B] each, on the
-        device from one copy."""
+    def keyed(self, seqs: list[Sequence], depth: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The keyed draws' arguments for tokens num_tokens + depth of seqs: temperatures fp32 [B] (greedy rows:
+        0), seeds and positions int64 [B], on the device from one copy."""
         B = len(seqs)
-        keys = [self.key(s) for s in seqs]
+        keys = [0 if s.params.greedy else self.key(s) for s in seqs]
         lo = [k & 0xFFFFFFFF for k in keys]
-        ints = self.runner.to_device([v - (1 << 32) if v >= 1 << 31 else v for v in lo] + [k >> 32 for k in keys]
-                                     + [s.num_tokens + depth for s in seqs])                    # int64 [3B]
-        return (ints[B:2 * B] << 32) | (ints[:B] & 0xFFFFFFFF), ints[2 * B:]
+        temps = np.array([s.params.temperature for s in seqs], dtype=np.float32).view(np.int32).tolist()
+        ints = self.runner.index([v - (1 << 32) if v >= 1 << 31 else v for v in lo] + [k >> 32 for k in keys]
+                                 + [s.num_tokens + depth for s in seqs] + temps)                 # int32 [4B]
+        seeds = (ints[B:2 * B].long() << 32) | (ints[:B].long() & 0xFFFFFFFF)
+        return ints[3 * B:].view(torch.float32), seeds, ints[2 * B:3 * B].long()
 
-    def draw(self, probs: torch.Tensor, seqs: list[Sequence], depths: torch.Tensor | int = 0) -> torch.Tensor:
-        """Keyed draws from probs [B, V] or [B, N, V], sequence b's rows predicting the tokens at num_tokens +
-        depths (an int, or int64 [B, N] for [B, N, V]) -> tokens int64 [B] or [B, N]."""
-        seeds, positions = self.keys_at(seqs, depths if isinstance(depths, int) else 0)
-        if probs.dim() == 3:
+    def truncate(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits [B, ..., V] with -inf outside the tokens each sampled sequence's top-k / top-p keep (the same
+        tensor where no sequence truncates)."""
+        asked = [b for b, s in enumerate(seqs) if not s.params.greedy and s.params.truncates]
+        if not asked:
+            return logits
+        rows = self.runner.index(asked)
+        x = logits.index_select(0, rows)
+        kept = self.probs(x, [seqs[b].params for b in asked]) > 0
+        return logits.index_copy(0, rows.long(), x.masked_fill(~kept, float("-inf")))
+
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence], depths: torch.Tensor | int = 0) -> torch.Tensor:
+        """Each sequence's tokens from logits [B, V] or [B, N, V] (after adjust), its rows predicting the tokens
+        at num_tokens + depths (an int, or int64 [B, N] for [B, N, V]) -> int64 [B] or [B, N]: a greedy
+        sequence's argmax; a sampled one's keyed draw at its temperature over what its top-k / top-p keep."""
+        if all(s.params.greedy for s in seqs):
+            return argmax(logits)
+        temps, seeds, positions = self.keyed(seqs, depths if isinstance(depths, int) else 0)
+        if logits.dim() == 3:
             positions = positions[:, None] + depths
-            seeds = seeds[:, None].expand_as(positions)
-        return eagle_kernels.sample_keyed(probs, seeds.contiguous(), positions.contiguous())
-
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        # logits: [B, V] -> tokens int64 [B]
-        tokens = argmax(logits)
-        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if sampled:
-            rows = self.runner.index(sampled)
-            drawn = self.draw(self.probs(logits.index_select(0, rows), [seqs[i].params for i in sampled]),
-                              [seqs[i] for i in sampled])
-            tokens = tokens.index_copy(0, rows.long(), drawn)
-        return tokens
+            temps, seeds = (t[:, None].expand_as(positions).contiguous() for t in (temps, seeds))
+        return eagle_kernels.sample_keyed(self.truncate(logits, seqs).float(), temps, seeds, positions.contiguous())
 
 
 def unpack_banned(bits: torch.Tensor, V: int, device: torch.device) -> torch.Tensor:

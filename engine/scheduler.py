@@ -85,6 +85,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k or top-p cut a sampled token's distribution."""
+        return self.top_k > 0 or self.top_p < 1
+
 
 _ids = itertools.count()
 

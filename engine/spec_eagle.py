@@ -288,12 +288,12 @@ class EagleDecoder(SpeculativeDecoder):
                 out = g.run(plan, ids=tokens[-1], hidden=out)[:B]
             logits = head.logits(out)                                                        # [B, Vd]
             best, top = logits.max(-1)
-            if keyed is not None:  # sampled rows draw their drafts keyed, as draft_chain does (a row at a time)
+            if keyed is not None:  # sampled rows draw their drafts keyed, as draft_chain does
                 rows = [b for b, t in enumerate(keyed[2]) if t > 0]
-                probs = torch.stack([torch.softmax(logits[b].float().div(keyed[2][b]), 0) for b in rows])
-                pick = eagle_kernels.sample_keyed(probs, *self.sampler.keys_at([seqs[b] for b in rows], d - 1),
-                                                  self.draft_ids)                            # [R]
                 at = runner.index(rows).long()
+                pick = eagle_kernels.sample_keyed(logits.index_select(0, at).float(),
+                                                  *self.sampler.keyed([seqs[b] for b in rows], d - 1),
+                                                  self.draft_ids)                            # [R]
                 top = top.index_copy(0, at, pick)
                 best = best.index_copy(0, at, logits.index_select(0, at).gather(1, pick[:, None])[:, 0].float())
             tokens.append(head.to_target(top))

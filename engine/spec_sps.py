@@ -16,7 +16,6 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from eagle_kernels import argmax
 
 from .config import LlamaConfig
 from .loader import load_model
@@ -100,17 +99,16 @@ class SpSDecoder(SpeculativeDecoder):
         return Draft(chains, k, torch.stack(probs, 1) if sampled else None)
 
     def _propose(self, logits, seqs, sampled, depth: int):
-        """Greedy rows take the argmax; sampled rows draw from q, their sampling distribution (the draft token
-        at num_tokens + depth). -> tokens [B]
+        """Greedy rows take the argmax; sampled rows draw from q, their sampling distribution (Sampler.draw: the
+        draft token at num_tokens + depth). -> tokens [B]
         and q fp32 [B, V] (zero on greedy rows, which the greedy verifier never reads; None if all greedy)."""
-        tokens = argmax(logits)
+        tokens = self.sampler.draw(logits, seqs, depth)
         if not sampled:
             return tokens, None
         rows = self.runner.index(sampled)
         q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-        q_rows = self.sampler.probs(logits.index_select(0, rows), [seqs[b].params for b in sampled])
-        q.index_copy_(0, rows.long(), q_rows)
-        return tokens.index_copy(0, rows.long(), self.sampler.draw(q_rows, [seqs[b] for b in sampled], depth)), q
+        q.index_copy_(0, rows.long(), self.sampler.probs(logits.index_select(0, rows), [seqs[b].params for b in sampled]))
+        return tokens, q
 
     def _step(self, seqs, starts, tokens) -> torch.Tensor:
         """One draft token per sequence at cache position starts[b] -> the draft's next logits [B, V]."""

@@ -518,13 +518,16 @@ def test_seeded_sampling_is_vanillas_at_every_depth(tiny, monkeypatch):  # noqa:
 
 
 def test_auto_sampled_with_seeds_is_vanillas(setup):
-    """`auto` on the real model, seeded sampling: whatever depths its timings pick, vanilla's tokens."""
+    """`auto` on the real model, seeded sampling: whatever depths its timings pick, vanilla's tokens. Requests
+    at a temperature alone draw from the quantized LM head's bounds where every request of the step is such
+    (Llama.tokens) and from all the logits beside a top-p request: the same tokens."""
     llm, prompts, _ = setup
-    params = [SamplingParams(0.8, top_p=0.95, max_new_tokens=NEW, seed=i) for i in range(len(prompts))]
+    params = [SamplingParams(0.8, top_p=0.95 if i % 2 else 1.0, max_new_tokens=NEW, seed=i) for i in range(len(prompts))]
     llm.set_method("vanilla")
-    ref = [s.output_ids for s in llm.generate(prompts, params)[0]]
+    ref = [s.output_ids for s in llm.generate(prompts, params)[0]]        # a mixed batch: all the logits
+    assert llm.generate(prompts[:1], params[:1])[0][0].output_ids == ref[0]   # alone: the bounds
     llm.set_method("auto")
-    for batch in (slice(0, 1), slice(0, len(prompts))):
+    for batch in (slice(0, 1), slice(2, 3), slice(0, len(prompts))):
         seqs, stats = llm.generate(prompts[batch], params[batch])
         assert [s.output_ids for s in seqs] == ref[batch]
         assert stats.extra["tau"] > 1.0  # some drafts accepted (how many follows its timings)

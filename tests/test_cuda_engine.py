@@ -50,7 +50,7 @@ def no_syncs():
 
 
 def guard(decoder):
-    names = ["draft", "verify", "_decode", "_draft_tree_fn", "_verify_greedy_fn"]  # round bodies, fused steps
+    names = ["draft", "verify", "_decode", "_draft_tree_fn", "_verify_direct_fn"]  # round bodies, fused steps
     for name in ["_decode"] if type(decoder).__name__ == "VanillaDecoder" else filter(partial(hasattr, decoder), names):
         fn = getattr(decoder, name)
 

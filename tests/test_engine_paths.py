@@ -62,7 +62,7 @@ def gpu_path(llm, on: bool):
 
 def forbid_host_reads(decoder):
     """Run the decoder's round bodies (a decode step's forward; draft and verify) inside no_host_reads()."""
-    names = ["draft", "verify", "_decode", "_draft_tree_fn", "_verify_greedy_fn"]  # round bodies, fused steps
+    names = ["draft", "verify", "_decode", "_draft_tree_fn", "_verify_direct_fn"]  # round bodies, fused steps
     for name in ["_decode"] if type(decoder).__name__ == "VanillaDecoder" else filter(partial(hasattr, decoder), names):
         fn = getattr(decoder, name)
 

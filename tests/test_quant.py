@@ -212,6 +212,51 @@ def test_argmax_q8_is_the_argmax_of_the_logits(seed):
     assert torch.equal(quant.argmax_q8(x, data, *parts), _argmax_ref(x, data))
 
 
+def _keyed(M, gen, temperatures=(0.0, 0.2, 0.7, 1.0, 3.0)):
+    t = torch.tensor(temperatures, dtype=torch.float32)[torch.randint(0, len(temperatures), (M,), generator=gen)]
+    return t, torch.randint(0, 2**62, (M,), generator=gen), torch.randint(0, 10**6, (M,), generator=gen)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_argmax_q8_keyed_is_the_keyed_draw_of_the_logits(seed):
+    """With temperatures, seeds and positions: sample_keyed's draw from linear_q's fp32 logits (temperature 0:
+    their argmax), 1-10 rows (past 8: the full product), whatever the bounds' slack."""
+    gen = torch.Generator().manual_seed(300 + seed)
+    N = 16 * int(torch.randint(1, 400, (), generator=gen))
+    K = 32 * int(torch.randint(1, 20, (), generator=gen))
+    M = int(torch.randint(1, 11, (), generator=gen))
+    data = quant.quantize(random_weight(N, K, gen), "q8_0")
+    if seed % 2:
+        data = _negative_scales(data, gen)
+    x = (torch.randn(M, K, generator=gen) * (0.1 + 8 * torch.rand(M, 1, generator=gen))).bfloat16()
+    keyed = _keyed(M, gen)
+    want = eagle_kernels.sample_keyed(eagle_kernels.linear_q(x, data, "q8_0", torch.float32), *keyed)
+    assert torch.equal(quant.argmax_q8(x, data, *quant.argmax_planes(data), keyed=keyed), want)
+
+
+def test_argmax_q8_keyed_crowds_and_checks():
+    """A crowd of near-copies within the bounds' slack at every temperature, a non-finite x row, and the keyed
+    arguments' checks."""
+    gen = torch.Generator().manual_seed(17)
+    N, K = 2048, 256
+    base = torch.randn(K, generator=gen)
+    data = quant.quantize(base + 0.004 * torch.randn(N, K, generator=gen), "q8_0")
+    parts = quant.argmax_planes(data)
+    x = torch.stack([base, -base, torch.randn(K, generator=gen), base]).bfloat16()
+    x[3, 9] = float("nan")
+    for temperature in (0.01, 0.5, 2.0):
+        keyed = (torch.full((4,), temperature), torch.arange(4) * 31, torch.arange(4) + 100)
+        want = eagle_kernels.sample_keyed(eagle_kernels.linear_q(x, data, "q8_0", torch.float32), *keyed)
+        assert torch.equal(quant.argmax_q8(x, data, *parts, keyed=keyed), want)
+    op = eagle_kernels._ops.ops().argmax_q8
+    with pytest.raises(ValueError, match="go together"):
+        op(x, data, *parts, torch.ones(4), None, None)
+    with pytest.raises(ValueError, match="temperatures must"):
+        op(x, data, *parts, torch.ones(3), torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="seeds and positions"):
+        op(x, data, *parts, torch.ones(4), torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.int32))
+
+
 def test_argmax_q8_ties_and_crowds():
     """Equal maxima go to the lowest index; hundreds of rows within the bounds' slack of the maximum (each
     differing from one row in a few low bits) are all told apart exactly."""
@@ -286,14 +331,17 @@ for M, K, N in ((1, 576, 4096), (3, 192, 800), (8, 64, 48), (5, 256, 1024), (2, 
     x = torch.randn(M, K, generator=gen).bfloat16() * 4
     if N == 1024:
         x[0] = w[0].bfloat16() * 4
-    out.append(quant.argmax_q8(x, data, *quant.argmax_planes(data)))
+    parts = quant.argmax_planes(data)
+    out.append(quant.argmax_q8(x, data, *parts))
+    keyed = (torch.rand(M, generator=gen) * 2, torch.randint(0, 2**40, (M,), generator=gen), torch.arange(M))
+    out.append(quant.argmax_q8(x, data, *parts, keyed=keyed))
 torch.save(out, sys.argv[1])
 """
 
 
 def test_argmax_q8_same_on_every_instruction_set(tmp_path):
     """The AVX-512 VNNI and the AVX2 (EAGLE_CPU_AVX512=0) bound kernels pick the same tokens (both exact), for
-    1-8 x rows, negative scales among them."""
+    1-8 x rows, negative scales among them, greedy and keyed."""
     results = []
     for i, flags in enumerate(({}, {"EAGLE_CPU_AVX512": "0"})):
         out = tmp_path / f"out{i}.pt"
@@ -332,7 +380,11 @@ def test_loader_weight_formats():
     # of the model's own final norm (the real logit spread, where a few rows crowd the maximum)
     emb = auto.embed_tokens(torch.arange(0, 49152, 97))
     feature = auto.norm(emb + auto.embed_tokens(torch.arange(5, 49152, 97)))
-    assert torch.equal(auto.greedy(feature), eagle_kernels.argmax(auto.logits(feature)))
+    assert torch.equal(auto.tokens(feature), eagle_kernels.argmax(auto.logits(feature)))
+    for rows in (slice(0, 1), slice(1, 4), slice(4, 12)):  # keyed draws at temperature 0.7, one to eight rows
+        f = feature[rows]
+        keyed = (torch.full((len(f),), 0.7), torch.arange(len(f)) + 5, torch.arange(len(f)) * 3)
+        assert torch.equal(auto.tokens(f, keyed), eagle_kernels.sample_keyed(auto.logits(f), *keyed))
 
 
 def test_loader_weights_errors():

@@ -1,6 +1,6 @@
 """A speculative round as a few fixed-shape steps (issue 24 item 2): the whole tree draft as one step
 (EagleDecoder._draft_tree) and greedy verification with acceptance and the KV move as another
-(SpeculativeDecoder._verify_greedy), each a CUDA graph replay on a GPU and run eagerly here. Every round of
+(SpeculativeDecoder._verify_direct), each a CUDA graph replay on a GPU and run eagerly here. Every round of
 these tests runs both the fused steps and the step-by-step references (fused off) on the same state and
 compares them bit for bit: the trees drafted (for EAGLE-1 and EAGLE-3 heads, dynamic trees of several shapes
 and the static tree, batch sizes padded to graph buckets or not, sequences with different depth caps) and
@@ -81,7 +81,7 @@ def test_fused_steps_match_the_step_by_step_round(llm, reference, name, bucketed
     assert any(e[0] == "draft" and len(set(e[2])) > 1 for e in log)  # rounds with different caps
     assert any(e[0] == "draft" and e[1] == 1 for e in log) and any(e[0] == "verify" and e[1] == 3 for e in log)
     keys = {k[0] for k in llm.decoder.graphs}
-    assert {"draft_tree", "verify_greedy", "draft", "verify"} <= keys
+    assert {"draft_tree", "verify_direct", "draft", "verify"} <= keys
 
 
 def count_steps(decoder, monkeypatch) -> list:
@@ -126,7 +126,7 @@ def test_fused_step_functions_make_no_host_reads(llm):
     """The step functions themselves (not only the round bodies that call them), guarded directly."""
     llm.set_method("eagle3", {"head": "random", **TREES["eagle3-4x4"][1]})
     guarded = []
-    for name in ("_draft_tree_fn", "_verify_greedy_fn"):
+    for name in ("_draft_tree_fn", "_verify_direct_fn"):
         fn = getattr(llm.decoder, name)
 
         def wrapped(*args, _fn=fn, _name=name, **kwargs):
@@ -135,7 +135,7 @@ def test_fused_step_functions_make_no_host_reads(llm):
                 return _fn(*args, **kwargs)
         setattr(llm.decoder, name, wrapped)
     llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-    assert set(guarded) == {"_draft_tree_fn", "_verify_greedy_fn"}
+    assert set(guarded) == {"_draft_tree_fn", "_verify_direct_fn"}
 
 
 @torch.inference_mode()
@@ -186,7 +186,7 @@ def test_fused_verify_moves_accepted_paths_like_the_reference(bucketed):
     assert torch.equal(*summaries)
     assert summaries[0][:, 0].tolist() == [3, 1, 0]
     keys = [set(k[0] for k in decoder.graphs) for _, decoder, _ in rigs]
-    assert keys == [{"verify"}, {"verify_greedy"}]
+    assert keys == [{"verify"}, {"verify_direct"}]
     pool = slice(0, runner.num_blocks)  # the scratch block holds garbage by design
     assert torch.equal(rigs[0][0].kv[:, :, pool], rigs[1][0].kv[:, :, pool])
 

@@ -216,9 +216,12 @@ def test_sampled_output_is_vanillas_for_the_same_key(tiny, method, args, min_tau
         llm.reseed(7)
         shared, _ = llm.generate(prompts, unseeded)
         alone, _ = llm.generate(prompts[3:4], params[3:4])
-        runs[name] = ([s.output_ids for s in seeded], [s.output_ids for s in shared], alone[0].output_ids, stats)
+        plain, _ = llm.generate(prompts[:1], params[:1])  # a temperature alone: Llama.tokens' keyed draws
+        runs[name] = ([s.output_ids for s in seeded], [s.output_ids for s in shared], alone[0].output_ids, stats,
+                      plain[0].output_ids)
     ref, out = runs["vanilla"], runs[method]
     assert out[0] == ref[0] and out[1] == ref[1] and out[2] == ref[2] == ref[0][3]
+    assert out[4] == ref[4] == ref[0][0]
     assert out[3].extra["tau"] > min_tau  # drafts were accepted: verification, not plain decoding, made these tokens
     assert ref[0] != ref[1]  # the seeds and the engine's stream are different keys (the test could not fail otherwise)
     use(llm, "vanilla")
