@@ -1,10 +1,11 @@
 """Where a decoding round's time goes: each C++ op, the Python of the decoder's step, and the Python around it.
 
     python benchmarks/round_split.py [--methods vanilla,eagle3,auto] [--repeats 3] [--threads 2]
-        [--max-tokens 128] [--avx2] [--json out.json]
+        [--max-tokens 128] [--temperature 0] [--avx2] [--json out.json]
 
 Each method runs in its own process (methods alternated repeat by repeat, so that the machine's drift hits
-them alike) over the 10 chat prompts of e2e_cpu_peers.py, one request at a time, greedy; `eagle3` is the CPU
+them alike) over the 10 chat prompts of e2e_cpu_peers.py, one request at a time, greedy (--temperature T:
+sampled at T alone, a seed per prompt); `eagle3` is the CPU
 default's shape, a chain of 2. Inside a process every `torch.ops.eagle` call made during a decoding round
 (`Decoder.step`) is timed, as is the round itself and `LLM.step` around it (prefill chunks apart). Per round,
 in ms: the round's wall time (`LLM.step` without its prefill), each op, the Python of the decoder's step (its
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 METHOD_ARGS = {"eagle3": {"depth": 2, "topk": 1, "tree_tokens": 3}}
 
 
-def measure(method: str, max_tokens: int, threads: int) -> dict:
+def measure(method: str, max_tokens: int, threads: int, temperature: float = 0.0) -> dict:
     """One repeat of `method` over the prompts, in this process -> ms a round by part, and the rounds."""
     import torch
     import torch._ops
@@ -68,12 +69,11 @@ def measure(method: str, max_tokens: int, threads: int) -> dict:
     llm.step = timed("llm.step", llm.step)
     llm._prefill = timed("prefill", llm._prefill)
     prompts = [llm.chat_ids(p) for p in PROMPTS]
-    params = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
-    llm.generate([prompts[0]], SamplingParams(max_new_tokens=16, ignore_eos=True))  # first-use costs
+    llm.generate([prompts[0]], SamplingParams(temperature, max_new_tokens=16, ignore_eos=True, seed=0))  # first use
     seconds.clear()
     rounds = 0
-    for p in prompts:
-        _, stats = llm.generate([p], params)
+    for i, p in enumerate(prompts):
+        _, stats = llm.generate([p], SamplingParams(temperature, max_new_tokens=max_tokens, ignore_eos=True, seed=i))
         rounds += stats.extra.get("rounds", max_tokens) if stats.extra else max_tokens
     ops = {k[3:]: v for k, v in seconds.items() if k.startswith("op ")}
     ms = lambda s: 1e3 * s / rounds  # noqa: E731
@@ -89,12 +89,13 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy)")
     p.add_argument("--avx2", action="store_true", help="the AVX2 kernels (EAGLE_CPU_AVX512=0)")
     p.add_argument("--json", help="write the per-repeat results here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.child, args.max_tokens, args.threads)))
+        print(json.dumps(measure(args.child, args.max_tokens, args.threads, args.temperature)))
         return 0
     methods = args.methods.split(",")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")])}
@@ -104,7 +105,8 @@ def main(argv=None) -> int:
     for r in range(args.repeats):
         for m in methods[r % len(methods):] + methods[:r % len(methods)]:
             out = subprocess.run([sys.executable, __file__, "--child", m, "--max-tokens", str(args.max_tokens),
-                                  "--threads", str(args.threads)], env=env, capture_output=True, text=True)
+                                  "--threads", str(args.threads), "--temperature", str(args.temperature)],
+                                 env=env, capture_output=True, text=True)
             if out.returncode:
                 print(out.stderr[-2000:], file=sys.stderr)
                 return 1
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
             r["ops"]["other ops"] = sum(v for op, v in r["ops"].items() if op not in names)
     names.append("other ops")
     print(f"\nms a round (medians of {args.repeats} repeats; {'AVX2' if args.avx2 else 'default'} kernels, "
-          f"{args.threads} threads)")
+          f"{args.threads} threads, {f'T = {args.temperature}' if args.temperature else 'greedy'})")
     print("| method | rounds | wall | " + " | ".join(names) + " | Python in the step | Python around it |")
     print("|---|---|---|" + "---|" * len(names) + "---|---|")
     for m in methods:

@@ -46,6 +46,10 @@ from .scheduler import Sequence, cached_len
 from .trees import Tree
 
 HEADS_DIR = Path(__file__).parent / "heads"  # shipped trained heads: engine/heads/<name>/
+# A sampled sequence's drafts are keyed draws from the draft at this fraction of the request's temperature: the
+# head's distribution is flatter than the target's, and a sharper one picks the target's keyed draw more often
+# (benchmarks/RESULTS.md, session 38). Drafts are proposals: the output does not depend on it.
+DRAFT_COOLING = 0.75
 
 
 def shipped_head(kind: str, target_cfg) -> str | None:
@@ -291,8 +295,9 @@ class EagleDecoder(SpeculativeDecoder):
             if keyed is not None:  # sampled rows draw their drafts keyed, as draft_chain does
                 rows = [b for b, t in enumerate(keyed[2]) if t > 0]
                 at = runner.index(rows).long()
-                pick = eagle_kernels.sample_keyed(logits.index_select(0, at).float(),
-                                                  *self.sampler.keyed([seqs[b] for b in rows], d - 1),
+                _, seeds, positions = self.sampler.keyed([seqs[b] for b in rows], d - 1)
+                temps = torch.tensor([keyed[2][b] for b in rows], dtype=torch.float32, device=logits.device)
+                pick = eagle_kernels.sample_keyed(logits.index_select(0, at).float(), temps, seeds, positions,
                                                   self.draft_ids)                            # [R]
                 top = top.index_copy(0, at, pick)
                 best = best.index_copy(0, at, logits.index_select(0, at).gather(1, pick[:, None])[:, 0].float())
@@ -313,12 +318,12 @@ class EagleDecoder(SpeculativeDecoder):
         return None if d2t is None else torch.arange(d2t.shape[0], device=d2t.device) + d2t
 
     def _keyed(self, seqs) -> tuple[list[int], list[int], list[float]] | None:
-        """draft_chain's `keyed`: per sequence its sampling key, the index of its depth-1 draft's token and its
-        temperature (0: greedy); None when every sequence is greedy."""
+        """draft_chain's `keyed`: per sequence its sampling key, the index of its depth-1 draft's token and the
+        draft's temperature (DRAFT_COOLING times the request's; 0: greedy); None when every sequence is greedy."""
         if all(s.params.greedy for s in seqs):
             return None
-        return ([self.sampler.key(s) for s in seqs], [s.num_tokens for s in seqs],
-                [s.params.temperature for s in seqs])
+        return ([0 if s.params.greedy else self.sampler.key(s) for s in seqs], [s.num_tokens for s in seqs],
+                [s.params.temperature * DRAFT_COOLING for s in seqs])
 
     def _chain_in_one_call(self, seqs, depth: int, caps: list[int], weights, formats) -> Tree:
         """_draft_chain's chain, the same bits, from one C++ call (CPU): the pending pairs fed, then the levels
