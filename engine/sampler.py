@@ -165,13 +165,11 @@ class Sampler:
         """The keyed draws' arguments for tokens num_tokens + depth of seqs: temperatures fp32 [B] (greedy rows:
         0), seeds and positions int64 [B], on the device from one copy."""
         B = len(seqs)
-        keys = [0 if s.params.greedy else self.key(s) for s in seqs]
-        lo = [k & 0xFFFFFFFF for k in keys]
+        wide = [0 if s.params.greedy else self.key(s) for s in seqs] + [s.num_tokens + depth for s in seqs]
+        halves = np.array(wide, dtype=np.int64).view(np.int32).tolist()  # each int64 as its two int32 words
         temps = np.array([s.params.temperature for s in seqs], dtype=np.float32).view(np.int32).tolist()
-        ints = self.runner.index([v - (1 << 32) if v >= 1 << 31 else v for v in lo] + [k >> 32 for k in keys]
-                                 + [s.num_tokens + depth for s in seqs] + temps)                 # int32 [4B]
-        seeds = (ints[B:2 * B].long() << 32) | (ints[:B].long() & 0xFFFFFFFF)
-        return ints[3 * B:].view(torch.float32), seeds, ints[2 * B:3 * B].long()
+        ints = self.runner.index(halves + temps)                                              # int32 [5B]
+        return ints[4 * B:].view(torch.float32), ints[:2 * B].view(torch.int64), ints[2 * B:4 * B].view(torch.int64)
 
     def truncate(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits [B, ..., V] with -inf outside the tokens each sampled sequence's top-k / top-p keep (the same
