@@ -101,7 +101,7 @@ def test_greedy_verdict_matches_accept_then_summary(B, N, V):
     got = greedy_verdict(**tree, logits=logits)
     assert got.dtype == torch.int64 and torch.equal(got, want), (got.tolist(), want.tolist())
     assert rejection._GREEDY_VERDICT_CPU  # the C++ op ran, not the reference composition
-    assert torch.equal(greedy_verdict(**tree, logits=argmax(logits)), want)  # the argmax given (Llama.greedy's)
+    assert torch.equal(greedy_verdict(**tree, logits=argmax(logits)), want)  # the argmax given (Llama.tokens')
     if N > 1 and B > 1:
         assert want[:, 0].max() > 0  # some drafts accepted
 
