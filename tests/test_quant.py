@@ -197,19 +197,25 @@ def test_argmax_planes_hold_the_top_five_bits():
     assert torch.equal(rows[:, 6:].view(torch.int8).reshape(64, nb, 32).int(), q)
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_argmax_q8_is_the_argmax_of_the_logits(seed):
-    """Random shapes and scales, 1-9 rows: the index argmax_rows picks from linear_q's fp32 logits."""
-    gen = torch.Generator().manual_seed(100 + seed)
-    N = 16 * int(torch.randint(1, 160, (), generator=gen))
+def _random_head(seed: int, groups: int, rows: int, spread: float):
+    """A random Q8_0 weight [16 * (1 .. groups - 1), 32 * (1 .. 19)] (odd seeds: negative scales in about half
+    its blocks) and 1 .. rows - 1 bf16 x rows of random scales -> (data, x, the generator)."""
+    gen = torch.Generator().manual_seed(seed)
+    N = 16 * int(torch.randint(1, groups, (), generator=gen))
     K = 32 * int(torch.randint(1, 20, (), generator=gen))
-    M = int(torch.randint(1, 10, (), generator=gen))
+    M = int(torch.randint(1, rows, (), generator=gen))
     data = quant.quantize(random_weight(N, K, gen), "q8_0")
     if seed % 2:
         data = _negative_scales(data, gen)
-    parts = quant.argmax_planes(data)
-    x = (torch.randn(M, K, generator=gen) * (0.1 + 5 * torch.rand(M, 1, generator=gen))).bfloat16()
-    assert torch.equal(quant.argmax_q8(x, data, *parts), _argmax_ref(x, data))
+    x = (torch.randn(M, K, generator=gen) * (0.1 + spread * torch.rand(M, 1, generator=gen))).bfloat16()
+    return data, x, gen
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_argmax_q8_is_the_argmax_of_the_logits(seed):
+    """Random shapes and scales, 1-9 rows: the index argmax_rows picks from linear_q's fp32 logits."""
+    data, x, _ = _random_head(100 + seed, 160, 10, 5)
+    assert torch.equal(quant.argmax_q8(x, data, *quant.argmax_planes(data)), _argmax_ref(x, data))
 
 
 def _keyed(M, gen, temperatures=(0.0, 0.2, 0.7, 1.0, 3.0)):
@@ -221,15 +227,8 @@ def _keyed(M, gen, temperatures=(0.0, 0.2, 0.7, 1.0, 3.0)):
 def test_argmax_q8_keyed_is_the_keyed_draw_of_the_logits(seed):
     """With temperatures, seeds and positions: sample_keyed's draw from linear_q's fp32 logits (temperature 0:
     their argmax), 1-10 rows (past 8: the full product), whatever the bounds' slack."""
-    gen = torch.Generator().manual_seed(300 + seed)
-    N = 16 * int(torch.randint(1, 400, (), generator=gen))
-    K = 32 * int(torch.randint(1, 20, (), generator=gen))
-    M = int(torch.randint(1, 11, (), generator=gen))
-    data = quant.quantize(random_weight(N, K, gen), "q8_0")
-    if seed % 2:
-        data = _negative_scales(data, gen)
-    x = (torch.randn(M, K, generator=gen) * (0.1 + 8 * torch.rand(M, 1, generator=gen))).bfloat16()
-    keyed = _keyed(M, gen)
+    data, x, gen = _random_head(300 + seed, 400, 11, 8)
+    keyed = _keyed(len(x), gen)
     want = eagle_kernels.sample_keyed(eagle_kernels.linear_q(x, data, "q8_0", torch.float32), *keyed)
     assert torch.equal(quant.argmax_q8(x, data, *quant.argmax_planes(data), keyed=keyed), want)
 
