@@ -339,7 +339,8 @@ void argmax_bounded(const at::Tensor& x, const at::Tensor& planes, const at::Ten
 // x: bf16 [M, K]; w: Q8_0 [N, K] in linear_q's layout (uint8 [N / 16, K / 32 * 544]); planes: its top 5 bits
 // (uint8 [N / 16, K / 32 * 352]); rows: it row-major (uint8 [N, K / 32 * 34]: a row's fp16 d's, then its
 // quants); dmax: fp32 [K / 32], the largest |d| of each block over the rows (eagle_kernels.quant.argmax_planes).
-// -> int64 [M]: the first maximum of each row of linear_q(x, w, Q8_0, fp32).
+// -> int64 [M]: the first maximum of each row of linear_q(x, w, Q8_0, fp32); with temperatures fp32 [M] (0: that
+// argmax), seeds and positions int64 [M]: sample_keyed's draw from that row instead.
 at::Tensor argmax_q8(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& planes, const at::Tensor& rows,
                      const at::Tensor& dmax, const c10::optional<at::Tensor>& temperatures,
                      const c10::optional<at::Tensor>& seeds, const c10::optional<at::Tensor>& positions) {
