@@ -66,7 +66,7 @@ class Engine:
         self.llm = LLM(model, "bfloat16", device="cpu", weights=weights, threads=threads, max_batch=1,
                        kv_cache_gb=0.25, method=method)
         self.temperature, self.top_p = temperature, top_p
-        self.rounds, self.reached, self.depths = 0, 0.0, []  # over the timed runs (see `speculation`)
+        self.rounds, self.reached, self.depths, self.looked_up = 0, 0.0, [], 0  # over the timed runs (`speculation`)
 
     def chat_ids(self, text: str) -> list[int]:
         return self.llm.chat_ids(text)
@@ -87,6 +87,7 @@ class Engine:
         if spec.get("rounds"):  # a speculative decoder's counters for this run
             self.rounds += spec["rounds"]
             self.reached += (spec["tau"] - 1) * spec["rounds"]
+            self.looked_up += spec.get("looked_up", 0)
             hist = spec["depth_hist"]
             n = max(len(self.depths), len(hist))
             self.depths = [a + b for a, b in zip(self.depths + [0] * (n - len(self.depths)),
@@ -94,12 +95,13 @@ class Engine:
         return seqs[0].output_ids, first[0] - t0, time.perf_counter() - t0
 
     def speculation(self, reset: bool = False) -> dict:
-        """Rounds, tau (tokens a round) and rounds by drafted depth over the runs so far (the adaptive policy's
-        choices, for `auto`); `reset` starts the count again (after the warm-up)."""
+        """Rounds, tau (tokens a round), rounds by depth the head drafted (the adaptive policy's choices, for
+        `auto`) and rounds whose drafts were looked up in the context instead, over the runs so far; `reset`
+        starts the count again (after the warm-up)."""
         out = {"rounds": self.rounds, "tau": round(1 + self.reached / max(self.rounds, 1), 3),
-               "rounds_by_depth": list(self.depths)}
+               "rounds_by_depth": list(self.depths), "looked_up": self.looked_up}
         if reset:
-            self.rounds, self.reached, self.depths = 0, 0.0, []
+            self.rounds, self.reached, self.depths, self.looked_up = 0, 0.0, [], 0
         return out
 
 
@@ -416,7 +418,8 @@ def main(argv=None):
         print(f"engine {name} output == engine vanilla ({w}) output: {k}/{len(prompts)} prompts")
     spec = {n: workers[n].call("speculation") for n in names if n.startswith("engine ") and "vanilla" not in n}
     for n, c in spec.items():
-        print(f"{n}: tau {c['tau']} over {c['rounds']} rounds; rounds by drafted depth {c['rounds_by_depth']}")
+        print(f"{n}: tau {c['tau']} over {c['rounds']} rounds; rounds by drafted depth {c['rounds_by_depth']}, "
+              f"looked up {c['looked_up']}")
     if "llama.cpp" in contenders and "engine vanilla (auto)" in contenders:
         agree = sum(a[0] == b[0] for a, b in zip(outputs["llama.cpp"], outputs["engine vanilla (auto)"]))
         print(f"llama.cpp output == engine vanilla (auto) output: {agree}/{len(prompts)} prompts "

@@ -209,6 +209,7 @@ class Draft:
     probs: torch.Tensor | None = None  # fp32 [B, N, V]: the q that drew each node (sampled chains), else None
     backlog_s: float = 0.0            # seconds spent feeding the draft what earlier steps left it
     catch_up_s: float = 0.0           # of them, for the pairs rounds without drafts left (not the prompt's)
+    looked_up: bool = False           # read from the context (engine.lookup), not drafted by a model
 
 
 @dataclass
@@ -228,6 +229,7 @@ class Verdict:
     logprobs: list[list[TokenLogprob] | None] | None = None  # per sequence asking: one per new token
     prompt_logprobs: list | None = None  # prefill: per sequence asking, its chunk's Sequence.prompt_logprobs
     prefill: "Verdict | None" = None     # a round that carried a prefill chunk: the chunk's verdict
+    looked_up: bool = False              # its drafts read from the context (Draft.looked_up)
 
     @property
     def lengths(self) -> list[int]:
@@ -270,7 +272,7 @@ class SpeculativeDecoder(Decoder):
                 verdict = self.read(seqs, *self.verify(seqs, draft.tree, draft.probs), draft)
         with self.timer("draft_s"):
             self.catch_up(seqs, verdict)
-        self._stats.record(verdict.lengths, verdict.depth)
+        self._stats.record(verdict.lengths, verdict.depth, verdict.looked_up)
         return verdict
 
     def draft(self, seqs: list[Sequence], depth: int, caps: list[int]) -> Draft:
@@ -415,7 +417,7 @@ class SpeculativeDecoder(Decoder):
         N = (summary.shape[1] - 2) // 2
         new = [row[3 + N:3 + N + row[0]] + [row[1]] for row in host]
         return Verdict(new, draft.depth, draft.backlog_s, draft.catch_up_s,
-                       read_logprobs(seqs, logprobs, [len(t) for t in new]))
+                       read_logprobs(seqs, logprobs, [len(t) for t in new]), looked_up=draft.looked_up)
 
     def timer(self, attr: str):
         return Timer(self._stats, attr, self.runner.device) if self.timing else _UNTIMED
@@ -429,17 +431,22 @@ class SpeculativeDecoder(Decoder):
 @dataclass
 class SpecStats:
     """Per-run counters: rounds are (sequence, verify) pairs; depth d is reached when >= d drafts pass;
-    depth_hist[d] counts the verify rounds that drafted d levels."""
+    depth_hist[d] counts the rounds that drafted d levels (0: plain decode steps), looked_up the rounds whose
+    drafts were read from the context instead (engine.lookup)."""
     rounds: int = 0
     reached: list[int] = field(default_factory=list)
     depth_hist: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
+    looked_up: int = 0
     events: list = field(default_factory=list)  # (attr, start, end) CUDA events, resolved in as_dict
 
-    def record(self, lengths: list[int], depth: int):
-        self.depth_hist += [0] * (depth + 1 - len(self.depth_hist))
-        self.depth_hist[depth] += 1
+    def record(self, lengths: list[int], depth: int, looked_up: bool = False):
+        if looked_up:
+            self.looked_up += 1
+        else:
+            self.depth_hist += [0] * (depth + 1 - len(self.depth_hist))
+            self.depth_hist[depth] += 1
         self.rounds += len(lengths)
         for n in lengths:
             if n > len(self.reached):
@@ -454,6 +461,7 @@ class SpecStats:
         n = max(self.rounds, 1)
         return {"tau": round(1 + sum(self.reached) / n, 3), "rounds": self.rounds,
                 "accept_by_depth": [round(r / n, 3) for r in self.reached], "depth_hist": self.depth_hist,
+                "looked_up": self.looked_up,
                 "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4)}
 
 

@@ -17,6 +17,7 @@ class DeviceDefaults:
     kv_cache_gb: float | None     # None: a share of the device memory left after the weights
     tree: tuple[int, int, int]    # EAGLE-2 dynamic tree: depth, top-k, verified tokens
     min_prob: float               # its confidence cut (trees.DynamicTree); 0: the whole shape every round
+    lookup: int                   # chains: drafts looked up by the last this many tokens (engine.lookup); 0: off
     cuda_graphs: bool
     prefill_chunk: int            # the most prompt tokens a step prefills
     prefill_share: float | None   # while streams decode, a step's prefill takes about this share of their
@@ -31,9 +32,9 @@ class DeviceDefaults:
 # or starves prompts: there the chunk follows the decoding round's time; on a GPU (whose chunk times are not
 # synchronised) a fixed budget, as vLLM's.
 DEFAULTS = {
-    "cpu": DeviceDefaults(dtype="bfloat16", kv_cache_gb=0.5, tree=(2, 1, 3), min_prob=0.0,
+    "cpu": DeviceDefaults(dtype="bfloat16", kv_cache_gb=0.5, tree=(2, 1, 3), min_prob=0.0, lookup=3,
                           cuda_graphs=False, prefill_chunk=512, prefill_share=1.0),
-    "cuda": DeviceDefaults(dtype="bfloat16", kv_cache_gb=None, tree=(6, 10, 60), min_prob=0.0,
+    "cuda": DeviceDefaults(dtype="bfloat16", kv_cache_gb=None, tree=(6, 10, 60), min_prob=0.0, lookup=0,
                            cuda_graphs=True, prefill_chunk=2048, prefill_share=None),
 }
 CUDA_KV_SHARE = 0.8  # of the free memory after the weights (vLLM's gpu_memory_utilization is 0.9 of all)

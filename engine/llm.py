@@ -279,6 +279,8 @@ class LLM:
         caps = depth_caps(batch, self.cfg.max_position)
         planned = round_depth(planned, caps)
         accepted = [n for n, cap in zip(verdict.lengths, caps) if cap >= planned]
+        if verdict.looked_up:  # no draft ran: the round's time is not the depth's, its tokens are (playing the
+            seconds = None     # depth is looking up where a lookup matches and drafting elsewhere)
         self.policy.observe(len(batch), planned, None if seconds is None else seconds - verdict.backlog_s,
                             accepted, verdict.catch_up_s, behind, (verdict.backlog_s - verdict.catch_up_s, unfed))
 

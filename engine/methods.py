@@ -35,7 +35,7 @@ def make_eagle(llm, kind: str, adaptive: bool = False) -> Decoder:
     """adaptive (or --adaptive): a SpeculationPolicy (LLM.step's) picks each round's depth, 0 .. the dynamic
     tree's."""
     args = llm.method_args
-    check_args(kind, args, {"head", "tree", "depth", "topk", "tree_tokens", "min_prob", "adaptive"})
+    check_args(kind, args, {"head", "tree", "depth", "topk", "tree_tokens", "min_prob", "adaptive", "lookup"})
     head = eagle_head(args.get("head"), kind, llm.model)
     shape = args.get("tree", "dynamic")
     if shape == "dynamic":
@@ -44,13 +44,14 @@ def make_eagle(llm, kind: str, adaptive: bool = False) -> Decoder:
         tree = DynamicTree(args.get("depth", d), args.get("topk", k), args.get("tree_tokens", m),
                            args.get("min_prob", preset.min_prob))
         adaptive = args.get("adaptive", adaptive)
+        lookup = args.get("lookup", preset.lookup if tree.chain else 0)
     elif shape == "static":
         check_args(f"{kind} --tree static", args, {"head", "tree"})
-        tree, adaptive = StaticTree(), False
+        tree, adaptive, lookup = StaticTree(), False, 0
     else:
         raise ValueError(f"--tree must be 'dynamic' or 'static', got {shape!r}")
     return EagleDecoder(llm.runner, llm.sampler, llm.scheduler.blocks, head, tree, timing=llm.timing,
-                        adaptive=adaptive)
+                        adaptive=adaptive, lookup=lookup)
 
 
 def make_auto(llm) -> Decoder:

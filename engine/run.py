@@ -99,6 +99,8 @@ METHOD_FLAGS = [
     ("--tree-tokens", dict(type=int, default=None, help="dynamic tree: total verified tokens M (default: the device's)")),
     ("--min-prob", dict(type=float, default=None, help="dynamic tree: draft and verify only paths the head gives at "
                         "least this probability, decided per round (default: the device's; 0 = the whole tree)")),
+    ("--lookup", dict(type=int, default=None, help="eagle/eagle3 chains: where the last N tokens occurred before in the "
+                      "prompt or reply, verify what followed them instead of the head's drafts (default: the device's; 0 = off)")),
     ("--adaptive", dict(action="store_true", default=None, help="eagle/eagle3: pick each round's draft depth (0 = none) by batch size, measured cost and acceptance (auto does)")),
 ]
 

@@ -40,6 +40,7 @@ import eagle_kernels
 
 from .decoding import Draft, SpeculativeDecoder, Verdict
 from .heads import DraftHead, detect_kind, load_head, new_head, quantize_like_target
+from .lookup import MOST, ContextIndex
 from .model import AttnMeta, Llama
 from .model_runner import kv_layers
 from .scheduler import Sequence, cached_len
@@ -114,13 +115,18 @@ class HeadCursor:
     """A sequence's place in the head's cache (its Sequence.draft_state)."""
     fed: int = 0                  # pairs in the head's cache
     root: tuple | None = None     # the root pair's (input hidden, head output), [H] each, once fed
+    context: ContextIndex | None = None  # its n-grams, where drafts are also looked up in the context
 
 
 class EagleDecoder(SpeculativeDecoder):
     def __init__(self, runner, sampler, blocks, head: DraftHead, tree, timing: bool = False,
-                 adaptive: bool = False):
+                 adaptive: bool = False, lookup: int = 0):
         super().__init__(runner, sampler, blocks, timing)
-        self.head, self.tree, self.adaptive = head, tree, adaptive
+        if lookup < 0:
+            raise ValueError(f"--lookup must be >= 0 (tokens a lookup matches; 0: off), got {lookup}")
+        if lookup and not tree.chain:
+            raise ValueError(f"lookup drafts (n-grams of {lookup}) need a chain (--topk 1), not a {tree.topk}-wide tree")
+        self.head, self.tree, self.adaptive, self.lookup = head, tree, adaptive, lookup
         self.max_depth = tree.depth
         self.capture = head.capture
         self.kv = runner.new_cache(1, head.cfg.num_kv_heads, head.cfg.head_dim)
@@ -133,8 +139,8 @@ class EagleDecoder(SpeculativeDecoder):
         self.causal = tree.chain
         fed = sum(tree.frontier_sizes())
         # Verification writes the tree at L ..; drafting the history at L - 1 ..
-        self.lookahead = max(tree.verify_tokens, fed - 1)
-        self.max_tree = tree.verify_tokens
+        self.max_tree = max(tree.verify_tokens, MOST + 1 if lookup else 0)  # a looked-up chain: up to MOST
+        self.lookahead = max(self.max_tree, fed - 1)
 
     @functools.cached_property
     def chain_weights(self):
@@ -155,7 +161,8 @@ class EagleDecoder(SpeculativeDecoder):
 
     def admit(self, seqs: list[Sequence]):
         for s in seqs:  # the head's KV over a shared prefix is there where the head had fed its blocks
-            s.draft_state = s.draft_state or HeadCursor(self.blocks.side_prefix(s.seq_id, s.cached_tokens))
+            s.draft_state = s.draft_state or HeadCursor(self.blocks.side_prefix(s.seq_id, s.cached_tokens),
+                                                        context=ContextIndex(self.lookup) if self.lookup else None)
 
     def prefill(self, seqs: list[Sequence], counts: list[int]) -> Verdict:
         self.admit(seqs)
@@ -165,6 +172,10 @@ class EagleDecoder(SpeculativeDecoder):
         tree_policy, runner = self.tree, self.runner
         # Pairs older than one round's tokens (left by prefill or rounds without drafts) are fed apart first:
         # their time is the backlog's, which an adaptive policy does not charge to this round.
+        if self.lookup:
+            looked_up = self._looked_up(seqs, depth, caps)
+            if looked_up is not None:
+                return looked_up
         backlog_s, catch_up_s = self._feed_pending(seqs, keep=self.max_tree)
         spent = dict(backlog_s=backlog_s, catch_up_s=catch_up_s)
         if tree_policy.chain:
@@ -310,6 +321,20 @@ class EagleDecoder(SpeculativeDecoder):
         # A chain cut to the root alone is still verified (not decoded): the same draws as beside others.
         N = max(lengths)
         return Tree.chains(torch.stack(tokens[:N + 1], 1), runner.index([n + 1 for n in lengths]))
+
+    def _looked_up(self, seqs, depth: int, caps: list[int]) -> Draft | None:
+        """The round's chains read from the context (engine.lookup), one level deeper than the head would draft
+        (no head runs: the level's verification costs about what the head's drafting would have), longer while
+        a sequence copies, when every sequence that may draft has a match; None otherwise (the head drafts).
+        The head is fed the accepted pairs in its next round."""
+        chains = [s.draft_state.context.propose(s, min(depth + 1, cap), min(MOST, cap)) for s, cap in zip(seqs, caps)]
+        if not any(chains) or any(cap and not c for c, cap in zip(chains, caps)):
+            return None
+        N = max(map(len, chains))
+        tokens = [[s.last_id] + c + [0] * (N - len(c)) for s, c in zip(seqs, chains)]
+        tree = Tree.chains(self.runner.to_device(sum(tokens, [])).view(len(seqs), N + 1),
+                           self.runner.index([len(c) + 1 for c in chains]))
+        return Draft(grammar_prune(seqs, tree), N, looked_up=True)
 
     @functools.cached_property
     def draft_ids(self) -> torch.Tensor | None:

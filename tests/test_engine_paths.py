@@ -188,7 +188,7 @@ def test_the_policy_is_charged_the_catch_up_not_the_prompt_feed(llm, depth, topk
     policy's re-probes look too dear to ever run again); the policy learns the seconds a prompt pair takes
     from it (`fed`). The pairs rounds without drafts left are catch-up."""
     llm.set_method("eagle3", {"head": "random", "depth": depth, "topk": topk, "tree_tokens": depth * topk + 1,
-                              "adaptive": True})
+                              "adaptive": True, "lookup": 0})  # every drafting round the head's
     schedule, told = iter([depth] + [0] * 6 + [depth] * NEW_LONG), []
     llm.policy.choose = lambda batch, behind=0, *facts: (told.append(behind), next(schedule))[1]
     rounds, step, observe = [], llm.decoder.step, llm.policy.observe
