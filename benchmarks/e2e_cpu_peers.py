@@ -8,7 +8,7 @@ Contenders, each in its own process (no shared thread pools or caches between th
 prompt (each prompt runs through every contender back to back, in an order that rotates, so load drift on a
 shared machine hits all alike):
   - this engine, vanilla and the default method (`auto`: EAGLE-3 with adaptive depth; --methods adds others,
-    e.g. `eagle3`, the fixed CPU chain), per weight format (--weights: auto = the GGUF's own Q4_1/Q8_0 blocks,
+    e.g. `eagle3`, the fixed CPU chain, or `auto:lookup=0`, a method with arguments), per weight format (--weights: auto = the GGUF's own Q4_1/Q8_0 blocks,
     bf16 = dequantized);
   - llama.cpp through llama-cpp-python (optional: `pip install llama-cpp-python`; the same GGUF file, the
     same threads), greedy;
@@ -57,14 +57,34 @@ from train.data import MT_BENCH_STYLE
 PROMPTS = MT_BENCH_STYLE  # ten MT-bench-style chat prompts (train/data.py)
 
 
+def method_spec(spec: str) -> tuple[str, dict]:
+    """A --methods entry: 'eagle3:depth=3:tree_tokens=4' -> ("eagle3", {"depth": 3, "tree_tokens": 4}) (the
+    engine's method arguments, engine.run's flags without dashes; numbers parsed)."""
+    name, *pairs = spec.split(":")
+    args = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not key or not eq:
+            raise ValueError(f"method argument {pair!r} in {spec!r} is not key=value")
+        for kind in (int, float):
+            try:
+                value = kind(value)
+                break
+            except ValueError:
+                pass
+        args[key] = value
+    return name, args
+
+
 class Engine:
     """One engine per (weights, method): a method's state (the adaptive policy's timings and acceptance) lives
     on across prompts, as in a server."""
 
     def __init__(self, model: str, weights: str, threads: int, method: str, temperature: float = 0.0,
                  top_p: float = 1.0):
+        name, method_args = method_spec(method)
         self.llm = LLM(model, "bfloat16", device="cpu", weights=weights, threads=threads, max_batch=1,
-                       kv_cache_gb=0.25, method=method)
+                       kv_cache_gb=0.25, method=name, method_args=method_args)
         self.temperature, self.top_p = temperature, top_p
         self.rounds, self.reached, self.depths, self.looked_up = 0, 0.0, [], 0  # over the timed runs (`speculation`)
 
@@ -319,7 +339,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--weights", default="auto,bf16", help="comma-separated engine weight formats")
     p.add_argument("--methods", default="vanilla,auto",
-                   help="comma-separated engine methods (vanilla first; e.g. vanilla,auto,eagle3 to see a fixed chain)")
+                   help="comma-separated engine methods (vanilla first; e.g. vanilla,auto,eagle3 to see a fixed chain), "
+                        "each with method arguments if wanted (auto:lookup=0, eagle3:depth=3:tree_tokens=4)")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--llama-cpp-batch", type=int, default=512,
                    help="llama.cpp's prompt batch (native: its micro-batch, -ub); 1 evaluates the prompt token by "
@@ -349,6 +370,10 @@ def main(argv=None):
     weights, methods = args.weights.split(","), args.methods.split(",")
     if methods[0] != "vanilla" or len(set(methods)) != len(methods):
         p.error(f"--methods must start with vanilla and name each method once, got {args.methods}")
+    try:
+        [method_spec(m) for m in methods]
+    except ValueError as e:
+        p.error(f"--methods: {e}")
     workers = {f"engine {m} ({w})": Worker("engine", args.model, w, args.threads, m, T, P) for w in weights
                for m in methods}
     for name, w in workers.items():

@@ -262,12 +262,13 @@ class SpeculativeDecoder(Decoder):
         depth = round_depth(depth, caps)
         if chunk and depth:
             raise ValueError("a prefill chunk rides only on a round that drafts nothing")
-        if not depth:
+        looked_up = None if chunk else self.look_up(seqs, depth, caps)
+        if not depth and looked_up is None:
             with self.timer("verify_s"):
                 verdict = self.decode(seqs, chunk)
         else:
             with self.timer("draft_s"):
-                draft = self.draft(seqs, depth, caps)
+                draft = looked_up or self.draft(seqs, depth, caps)
             with self.timer("verify_s"):
                 verdict = self.read(seqs, *self.verify(seqs, draft.tree, draft.probs), draft)
         with self.timer("draft_s"):
@@ -277,6 +278,10 @@ class SpeculativeDecoder(Decoder):
 
     def draft(self, seqs: list[Sequence], depth: int, caps: list[int]) -> Draft:
         raise NotImplementedError
+
+    def look_up(self, seqs: list[Sequence], depth: int, caps: list[int]) -> Draft | None:
+        """Drafts read from the context instead of drafted, for this round (depth 0 included), or None."""
+        return None
 
     def verify_widths(self) -> list[int]:
         """Tokens verified per sequence when a round drafts d = 0 .. max_depth levels (an adaptive policy's

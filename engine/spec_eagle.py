@@ -172,10 +172,6 @@ class EagleDecoder(SpeculativeDecoder):
         tree_policy, runner = self.tree, self.runner
         # Pairs older than one round's tokens (left by prefill or rounds without drafts) are fed apart first:
         # their time is the backlog's, which an adaptive policy does not charge to this round.
-        if self.lookup:
-            looked_up = self._looked_up(seqs, depth, caps)
-            if looked_up is not None:
-                return looked_up
         backlog_s, catch_up_s = self._feed_pending(seqs, keep=self.max_tree)
         spent = dict(backlog_s=backlog_s, catch_up_s=catch_up_s)
         if tree_policy.chain:
@@ -322,12 +318,17 @@ class EagleDecoder(SpeculativeDecoder):
         N = max(lengths)
         return Tree.chains(torch.stack(tokens[:N + 1], 1), runner.index([n + 1 for n in lengths]))
 
-    def _looked_up(self, seqs, depth: int, caps: list[int]) -> Draft | None:
-        """The round's chains read from the context (engine.lookup), one level deeper than the head would draft
-        (no head runs: the level's verification costs about what the head's drafting would have), longer while
-        a sequence copies, when every sequence that may draft has a match; None otherwise (the head drafts).
-        The head is fed the accepted pairs in its next round."""
-        chains = [s.draft_state.context.propose(s, min(depth + 1, cap), min(MOST, cap)) for s, cap in zip(seqs, caps)]
+    def look_up(self, seqs, depth: int, caps: list[int]) -> Draft | None:
+        """The round's chains read from the context (engine.lookup) instead of the head's, when every sequence
+        that may draft has a match (None otherwise): one level deeper than the head would draft (no head runs:
+        the level's verification costs about what the head's drafting would have), up to MOST while a sequence
+        copies. In a round the policy keeps plain, one token, growing while copied only as far as the batch's
+        extra rows stay within MOST (verified rows are what a plain round would save). The head reads the
+        accepted pairs in its next drafting round."""
+        if not self.lookup:
+            return None
+        most = MOST if depth else MOST // len(seqs)
+        chains = [s.draft_state.context.propose(s, min(depth + 1, cap), min(most, cap)) for s, cap in zip(seqs, caps)]
         if not any(chains) or any(cap and not c for c, cap in zip(chains, caps)):
             return None
         N = max(map(len, chains))

@@ -116,3 +116,15 @@ def test_engine_counts_its_rounds_by_depth():
     assert by_depth[2] >= counts["rounds"] - looked_up - 4
     assert 1.0 < counts["tau"] <= 1 + MOST and counts["rounds"] * counts["tau"] >= 2 * 23  # 23 tokens a run after the first
     assert engine.speculation()["rounds"] == 0
+
+
+def test_methods_take_arguments():
+    """--methods entries carry the engine's method arguments: auto:lookup=0 is `auto` without lookup drafts."""
+    spec = peers().method_spec
+    assert spec("auto") == ("auto", {})
+    assert spec("eagle3:depth=3:tree_tokens=4:min_prob=0.1:head=random") == (
+        "eagle3", {"depth": 3, "tree_tokens": 4, "min_prob": 0.1, "head": "random"})
+    with pytest.raises(ValueError, match="not key=value"):
+        spec("auto:lookup")
+    engine = peers().Engine("smollm2-135m", "auto", 2, "auto:lookup=0")
+    assert engine.llm.decoder.lookup == 0

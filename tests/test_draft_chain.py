@@ -18,7 +18,7 @@ from tests.test_speculative_sampling import write_tokenizer
 
 VOCAB = 96
 PROMPTS = [[1, 5, 9, 11, 4], [1, 7], [1, 3, 3, 3, 4, 5, 6, 7, 8], [1, 40, 41]]
-CHAIN = {"head": "random", "depth": 3, "topk": 1, "tree_tokens": 4}
+CHAIN = {"head": "random", "depth": 3, "topk": 1, "tree_tokens": 4, "lookup": 0}  # every drafting round the head's
 
 
 @pytest.fixture(scope="module")

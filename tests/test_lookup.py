@@ -121,3 +121,37 @@ def test_lookup_off_and_bad_values(llm):
         llm.set_method("eagle3", {"lookup": -1})
     assert parse_args(["--lookup", "2", "hi"]).lookup == 2
     llm.set_method("vanilla")
+
+
+class Plain:
+    """A policy stub that keeps every round plain, noting what it is told."""
+
+    def __init__(self):
+        self.told = []
+
+    def choose(self, batch, *facts):
+        return 0
+
+    def observe(self, batch, d, seconds, accepted, *rest):
+        self.told.append((d, seconds, accepted))
+
+
+def test_plain_rounds_look_up_too(llm):
+    """Where the policy drafts nothing (the head does not pay), a round whose context matches still verifies what
+    followed (one token, more while a lone sequence copies; no more than MOST extra rows a batch): vanilla's
+    output, no time sample for the policy."""
+    llm, prompts = llm
+    greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    llm.set_method("vanilla")
+    ref = [s.output_ids for s in llm.generate(prompts, greedy)[0]]
+    llm.set_method("eagle3", {"adaptive": True})
+    for batch in ([0], [0, 1, 2]):
+        llm.policy = policy = Plain()
+        seqs, stats = llm.generate([prompts[i] for i in batch], greedy)
+        assert [s.output_ids for s in seqs] == [ref[i] for i in batch]
+        timed = sum(seconds is not None for _, seconds, _ in policy.told)  # a step's first build is no sample
+        assert len(policy.told) == stats.steps and 0 < stats.extra["looked_up"] <= stats.steps - timed
+        assert len(stats.extra["depth_hist"]) == 1  # the head never drafted
+        if batch == [0]:  # it grew: more than one lookup token accepted in a round
+            assert max(a for _, _, accepted in policy.told for a in accepted) > 1
+    llm.set_method("vanilla")
