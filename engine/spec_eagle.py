@@ -320,15 +320,14 @@ class EagleDecoder(SpeculativeDecoder):
 
     def look_up(self, seqs, depth: int, caps: list[int]) -> Draft | None:
         """The round's chains read from the context (engine.lookup) instead of the head's, when every sequence
-        that may draft has a match (None otherwise): one level deeper than the head would draft (no head runs:
-        the level's verification costs about what the head's drafting would have), up to MOST while a sequence
-        copies. In a round the policy keeps plain, one token, growing while copied only as far as the batch's
-        extra rows stay within MOST (verified rows are what a plain round would save). The head reads the
-        accepted pairs in its next drafting round."""
+        that may draft has a match (None otherwise): as many tokens as the head would draft (the round's shape,
+        which the policy chose by its cost; no head runs), up to MOST while a sequence copies. In a round the
+        policy keeps plain, one token, growing while copied only as far as the batch's extra rows stay within
+        MOST. The head reads the accepted pairs in its next drafting round."""
         if not self.lookup:
             return None
         most = MOST if depth else MOST // len(seqs)
-        chains = [s.draft_state.context.propose(s, min(depth + 1, cap), min(most, cap)) for s, cap in zip(seqs, caps)]
+        chains = [s.draft_state.context.propose(s, min(max(depth, 1), cap), min(most, cap)) for s, cap in zip(seqs, caps)]
         if not any(chains) or any(cap and not c for c, cap in zip(chains, caps)):
             return None
         N = max(map(len, chains))
