@@ -3,7 +3,7 @@
     python benchmarks/verify_cost.py [--dtype bfloat16] [--threads 2] [--context 300] [--rows 1 2 4 6 8 16 32]
         [--greedy] [--plot benchmarks/plots/verify_cost.png] [--device auto|cpu|cuda]
 
---greedy ends each forward with the greedy tokens (Llama.greedy: what greedy decode and verification steps
+--greedy ends each forward with the greedy tokens (Llama.tokens: what greedy decode and verification steps
 take, which a quantized LM head finds without every logit) instead of all the logits (sampling's steps).
 
 A speculative round pays one such forward plus the draft, and yields tau tokens, so this curve decides which
@@ -28,7 +28,7 @@ from engine.llm import DTYPES, LLM
 def forward_ms(llm: LLM, context: int, rows: list[int], repeats: int, device: torch.device,
                greedy: bool = False) -> dict[int, float]:
     times = {m: [] for m in rows}
-    head = llm.model.greedy if greedy else llm.model.logits
+    head = llm.model.tokens if greedy else llm.model.logits
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def once(m: int) -> float:

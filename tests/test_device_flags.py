@@ -37,12 +37,15 @@ def test_verify_cost_bad_sizes_are_a_usage_error(flags):
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("verify_cost.py: error: --context"), r.stderr
 
 
-def test_verify_cost_from_an_empty_context():
-    """A decode at context 0 (the first token) was a reshape error."""
+@pytest.mark.parametrize("head", [[], ["--greedy"]], ids=["logits", "greedy"])
+def test_verify_cost_from_an_empty_context(head):
+    """A decode at context 0 (the first token) was a reshape error; --greedy (the greedy steps' tokens) called
+    a method the model no longer had."""
     r = subprocess.run([sys.executable, "benchmarks/verify_cost.py", "--context", "0", "--rows", "1", "2",
-                        "--repeats", "1", "--threads", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                        "--repeats", "1", "--threads", "1", *head], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
+    assert f"head={'greedy' if head else 'logits'}" in r.stdout
     rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["1"], ["2"])]
     assert [row[0] for row in rows] == ["1", "2"] and all(float(row[1]) > 0 for row in rows), r.stdout
 
