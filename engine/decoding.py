@@ -209,7 +209,8 @@ class Draft:
     probs: torch.Tensor | None = None  # fp32 [B, N, V]: the q that drew each node (sampled chains), else None
     backlog_s: float = 0.0            # seconds spent feeding the draft what earlier steps left it
     catch_up_s: float = 0.0           # of them, for the pairs rounds without drafts left (not the prompt's)
-    looked_up: bool = False           # read from the context (engine.lookup), not drafted by a model
+    looked_up: bool = False           # every chain read from the context (engine.lookup): no model drafted
+    from_context: int = 0             # sequences whose chains were read from the context
 
 
 @dataclass
@@ -230,6 +231,7 @@ class Verdict:
     prompt_logprobs: list | None = None  # prefill: per sequence asking, its chunk's Sequence.prompt_logprobs
     prefill: "Verdict | None" = None     # a round that carried a prefill chunk: the chunk's verdict
     looked_up: bool = False              # its drafts read from the context (Draft.looked_up)
+    from_context: int = 0                # Draft.from_context
 
     @property
     def lengths(self) -> list[int]:
@@ -262,25 +264,26 @@ class SpeculativeDecoder(Decoder):
         depth = round_depth(depth, caps)
         if chunk and depth:
             raise ValueError("a prefill chunk rides only on a round that drafts nothing")
-        looked_up = None if chunk else self.look_up(seqs, depth, caps)
-        if not depth and looked_up is None:
-            with self.timer("verify_s"):
+        with self.timer("draft_s"):
+            draft = None if chunk else self.look_up(seqs, depth, caps)
+            if draft is None and depth:
+                draft = self.draft(seqs, depth, caps)
+        with self.timer("verify_s"):
+            if draft is None:
                 verdict = self.decode(seqs, chunk)
-        else:
-            with self.timer("draft_s"):
-                draft = looked_up or self.draft(seqs, depth, caps)
-            with self.timer("verify_s"):
+            else:
                 verdict = self.read(seqs, *self.verify(seqs, draft.tree, draft.probs), draft)
         with self.timer("draft_s"):
             self.catch_up(seqs, verdict)
-        self._stats.record(verdict.lengths, verdict.depth, verdict.looked_up)
+        self._stats.record(verdict.lengths, verdict.depth, verdict.looked_up, verdict.from_context)
         return verdict
 
     def draft(self, seqs: list[Sequence], depth: int, caps: list[int]) -> Draft:
         raise NotImplementedError
 
     def look_up(self, seqs: list[Sequence], depth: int, caps: list[int]) -> Draft | None:
-        """Drafts read from the context instead of drafted, for this round (depth 0 included), or None."""
+        """The round's draft where the context supplies chains (depth 0 included; a decoder may draft the
+        sequences it finds none for), or None: the round drafts as `depth` says."""
         return None
 
     def verify_widths(self) -> list[int]:
@@ -422,7 +425,8 @@ class SpeculativeDecoder(Decoder):
         N = (summary.shape[1] - 2) // 2
         new = [row[3 + N:3 + N + row[0]] + [row[1]] for row in host]
         return Verdict(new, draft.depth, draft.backlog_s, draft.catch_up_s,
-                       read_logprobs(seqs, logprobs, [len(t) for t in new]), looked_up=draft.looked_up)
+                       read_logprobs(seqs, logprobs, [len(t) for t in new]), looked_up=draft.looked_up,
+                       from_context=draft.from_context)
 
     def timer(self, attr: str):
         return Timer(self._stats, attr, self.runner.device) if self.timing else _UNTIMED
@@ -437,16 +441,19 @@ class SpeculativeDecoder(Decoder):
 class SpecStats:
     """Per-run counters: rounds are (sequence, verify) pairs; depth d is reached when >= d drafts pass;
     depth_hist[d] counts the rounds that drafted d levels (0: plain decode steps), looked_up the rounds whose
-    drafts were read from the context instead (engine.lookup)."""
+    drafts were all read from the context instead (engine.lookup), from_context the sequence-rounds whose
+    chain was (in those rounds, and beside the head's chains in a drafting round)."""
     rounds: int = 0
     reached: list[int] = field(default_factory=list)
     depth_hist: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
     looked_up: int = 0
+    from_context: int = 0
     events: list = field(default_factory=list)  # (attr, start, end) CUDA events, resolved in as_dict
 
-    def record(self, lengths: list[int], depth: int, looked_up: bool = False):
+    def record(self, lengths: list[int], depth: int, looked_up: bool = False, from_context: int = 0):
+        self.from_context += from_context
         if looked_up:
             self.looked_up += 1
         else:
@@ -466,7 +473,7 @@ class SpecStats:
         n = max(self.rounds, 1)
         return {"tau": round(1 + sum(self.reached) / n, 3), "rounds": self.rounds,
                 "accept_by_depth": [round(r / n, 3) for r in self.reached], "depth_hist": self.depth_hist,
-                "looked_up": self.looked_up,
+                "looked_up": self.looked_up, "from_context": self.from_context,
                 "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4)}
 
 

@@ -319,22 +319,33 @@ class EagleDecoder(SpeculativeDecoder):
         return Tree.chains(torch.stack(tokens[:N + 1], 1), runner.index([n + 1 for n in lengths]))
 
     def look_up(self, seqs, depth: int, caps: list[int]) -> Draft | None:
-        """The round's chains read from the context (engine.lookup) instead of the head's, when every sequence
-        that may draft has a match (None otherwise): as many tokens as the head would draft (the round's shape,
-        which the policy chose by its cost; no head runs), up to MOST while a sequence copies. In a round the
-        policy keeps plain, one token, growing while copied only as far as the batch's extra rows stay within
-        MOST. The head reads the accepted pairs in its next drafting round."""
+        """The round's chains read from the context (engine.lookup) where a sequence's last n tokens recur: as
+        many tokens as the head would draft (the round's shape, which the policy chose by its cost), up to MOST
+        while a sequence copies. Where every sequence that may draft has a match, no head runs; in a round that
+        drafts, the head drafts the sequences without one (their companions' caps 0). A round the policy keeps
+        plain looks up only where every sequence matches (its rows are what the policy judged not worth
+        drafting): one token each, growing while copied only as far as the batch's extra rows stay within
+        MOST. None where nothing is looked up. The head reads the accepted pairs in its next drafting round."""
         if not self.lookup:
             return None
         most = MOST if depth else MOST // len(seqs)
         chains = [s.draft_state.context.propose(s, min(max(depth, 1), cap), min(most, cap)) for s, cap in zip(seqs, caps)]
-        if not any(chains) or any(cap and not c for c, cap in zip(chains, caps)):
+        found = sum(map(bool, chains))
+        partial = any(cap and not c for c, cap in zip(chains, caps))
+        if not found or partial and not depth:
             return None
-        N = max(map(len, chains))
-        tokens = [[s.last_id] + c + [0] * (N - len(c)) for s, c in zip(seqs, chains)]
-        tree = Tree.chains(self.runner.to_device(sum(tokens, [])).view(len(seqs), N + 1),
-                           self.runner.index([len(c) + 1 for c in chains]))
-        return Draft(grammar_prune(seqs, tree), N, looked_up=True)
+        drafted = self.draft(seqs, depth, [0 if c else cap for c, cap in zip(chains, caps)]) if partial else None
+        N = max(max(map(len, chains)), drafted.tree.num_nodes - 1 if drafted else 0)
+        rows = [b for b, c in enumerate(chains) if c or drafted is None]  # a root alone where nothing is drafted
+        tokens = self.runner.to_device([t for b in rows for t in [seqs[b].last_id] + chains[b]
+                                        + [0] * (N - len(chains[b]))]).view(len(rows), N + 1)
+        sizes = self.runner.index([len(chains[b]) + 1 for b in rows])
+        if drafted is None:
+            return Draft(grammar_prune(seqs, Tree.chains(tokens, sizes)), N, looked_up=True, from_context=found)
+        head, at = drafted.tree, self.runner.index(rows).long()  # the head's chains, the looked-up rows replaced
+        tokens = torch.nn.functional.pad(head.tokens, (0, N + 1 - head.num_nodes)).index_copy(0, at, tokens)
+        merged = Tree.chains(tokens, head.sizes.index_copy(0, at, sizes))
+        return dataclasses.replace(drafted, tree=grammar_prune(seqs, merged), from_context=found)
 
     @functools.cached_property
     def draft_ids(self) -> torch.Tensor | None:

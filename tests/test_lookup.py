@@ -102,9 +102,48 @@ def test_lookup_rounds_are_lossless(llm, method):
                                        [params[i] for i in batch])
             assert [s.output_ids for s in seqs] == [want[i] for i in batch]
             assert sum(stats.extra["depth_hist"]) + stats.extra["looked_up"] == stats.steps
+            assert stats.extra["from_context"] >= stats.extra["looked_up"]
             looked_up += stats.extra["looked_up"]
             assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
         assert looked_up > 0  # the repeated list is looked up, not drafted
+    llm.set_method("vanilla")
+
+
+def test_batched_rounds_mix_lookups_and_head_drafts(llm, monkeypatch):
+    """In a drafting round where only some sequences' contexts match, those verify what followed their match and
+    the head drafts the others' chains in the same round (their caps kept, the matched ones' 0): vanilla's
+    output, greedy and seeded sampled, every block returned."""
+    llm, prompts = llm
+    greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    sampled = [SamplingParams(0.8, max_new_tokens=NEW, ignore_eos=True, seed=i) for i in range(len(prompts))]
+    llm.set_method("vanilla")
+    refs = [[s.output_ids for s in llm.generate(prompts, params)[0]] for params in (greedy, sampled)]
+    decoder = llm.set_method("eagle3", {"depth": 2, "tree_tokens": 3})
+    mixed, draft_caps, draft = [], [], decoder.draft
+
+    def noted(seqs, depth, caps):  # the head's drafts: the caps it was given
+        draft_caps.append(list(caps))
+        return draft(seqs, depth, caps)
+
+    look_up = decoder.look_up
+
+    def watched(seqs, depth, caps):
+        found = look_up(seqs, depth, caps)
+        if found is not None and not found.looked_up:  # a mix: which rows the head drafted, every row's size
+            mixed.append((draft_caps[-1], found.tree.sizes.tolist(), found.from_context))
+        return found
+
+    monkeypatch.setattr(decoder, "draft", noted)
+    monkeypatch.setattr(decoder, "look_up", watched)
+    for params, ref in zip((greedy, sampled), refs):
+        seqs, stats = llm.generate(prompts, params)
+        assert [s.output_ids for s in seqs] == ref
+        assert stats.extra["from_context"] > stats.extra["looked_up"]  # sequence-rounds beside the head's
+        assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
+    assert mixed
+    for caps, sizes, found in mixed:
+        assert 0 < found == caps.count(0) < len(caps)
+        assert all(size == 3 for cap, size in zip(caps, sizes) if cap)  # the head's chains of 2 where it drafted
     llm.set_method("vanilla")
 
 
