@@ -1,6 +1,6 @@
 """How lookup drafts (engine/lookup.py) compare with the EAGLE head's where both could draft.
 
-    python benchmarks/lookup_acceptance.py [--temperature 0] [--max-tokens 128] [--threads 2] [--k 3]
+    python benchmarks/lookup_acceptance.py [--temperature 0] [--max-tokens 128] [--threads 2] [--k 3] [--batch B]
 
 Over the ten MT-bench-style chat prompts of e2e_cpu_peers.py, one request at a time:
   1. the fixed chain of 2 without lookup (the head drafts every round): at each round's start, whether the
@@ -8,6 +8,9 @@ Over the ten MT-bench-style chat prompts of e2e_cpu_peers.py, one request at a t
      how many of the k tokens that followed that occurrence the reply goes on with;
   2. the chain of 2 with lookup (the CPU default's drafts): the looked-up rounds by proposal length, and the
      drafts accepted in them.
+  3. with --batch B: the chain of 2 with and without lookup, B requests at a time, over those prompts and four
+     that a reply quotes (QUOTING): tau and the looked-up chains (sequence-rounds; beside the head's chains in
+     a round where only some sequences match) per batch.
 Output is vanilla's either way; these are acceptance counts, not timings (e2e_cpu_peers.py times them).
 """
 from __future__ import annotations
@@ -18,6 +21,17 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+QUOTING = [  # prompts a reply answers partly by quoting them
+    "Fix the spelling in this paragraph and write it out again: Yesterday I whent to the markett to by some aples "
+    "and orangs, but the shop was closd becuase it was a holliday, so I came back home and maked a cake.",
+    "Add type hints to this Python function and return the whole function: def area(width, height):\n    if width "
+    "< 0 or height < 0:\n        raise ValueError('negative')\n    return width * height",
+    "Turn this list into JSON with keys name and age: Alice 31, Bob 27, Carol 45, Dave 38.",
+    "Rewrite these sentences as a numbered list: The sun rises in the east. Water boils at 100 degrees. Cats are "
+    "mammals. The earth orbits the sun.",
+]
 
 
 def occurrence(ctx: list[int], n: int, k: int) -> list[int] | None:
@@ -35,7 +49,10 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--k", type=int, default=3, help="tokens read after an occurrence (part 1)")
+    p.add_argument("--batch", type=int, default=0, help="part 3 at this batch size (0: skip it)")
     args = p.parse_args(argv)
+    if args.batch < 0:
+        p.error("--batch must be >= 0")
     from e2e_cpu_peers import PROMPTS, prompt_seed
     from engine.llm import LLM
     from engine.scheduler import SamplingParams
@@ -91,6 +108,27 @@ def main(argv=None):
     print("|---|---|---|---|")
     for k, acc in sorted(by_length.items()):
         print(f"| {k} | {len(acc)} | {sum(acc) / len(acc):.2f} | {sum(a == k for a in acc)} |")
+
+    if not args.batch:
+        return
+    print(f"\nchain of 2 at batch {args.batch}: tau per batch, chains looked up (sequence-rounds; rounds without a head)")
+    print("| lookup | tau per batch | chains looked up | rounds without a head | outputs as without lookup |")
+    print("|---|---|---|---|---|")
+    texts, outputs = PROMPTS + QUOTING, {}
+    for lookup in (0, 3):
+        llm = LLM("smollm2-135m", "bfloat16", device="cpu", weights="auto", threads=args.threads,
+                  max_batch=args.batch, kv_cache_gb=0.5, method="eagle3", method_args={"lookup": lookup})
+        taus, found, alone, outs = [], 0, 0, []
+        for i in range(0, len(texts), args.batch):
+            ids = [llm.chat_ids(t) for t in texts[i:i + args.batch]]
+            seqs, stats = llm.generate(ids, [SamplingParams(args.temperature, max_new_tokens=args.max_tokens,
+                                                            ignore_eos=True, seed=prompt_seed(x)) for x in ids])
+            taus.append(stats.extra["tau"])
+            found, alone = found + stats.extra["from_context"], alone + stats.extra["looked_up"]
+            outs += [s.output_ids for s in seqs]
+        outputs[lookup] = outs
+        print(f"| {lookup} | {' '.join(f'{t:.3f}' for t in taus)} (mean {sum(taus) / len(taus):.3f}) | {found} | "
+              f"{alone} | {'-' if not lookup else outputs[lookup] == outputs[0]} |")
 
 
 if __name__ == "__main__":

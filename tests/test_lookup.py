@@ -1,7 +1,11 @@
 """Drafts looked up in the context (engine.lookup): the n-gram index against a brute-force search over random
 sequences, proposals that grow while a sequence copies, and on the real SmolLM2 target: greedy and seeded
 sampled output equal vanilla's with lookup rounds among the head's, alone and batched, every block returned."""
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,3 +198,10 @@ def test_plain_rounds_look_up_too(llm):
         if batch == [0]:  # it grew: more than one lookup token accepted in a round
             assert max(a for _, _, accepted in policy.told for a in accepted) > 1
     llm.set_method("vanilla")
+
+
+def test_lookup_study_rejects_a_negative_batch():
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "benchmarks/lookup_acceptance.py", "--batch", "-1"], cwd=root,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("--batch must be >= 0"), r.stderr
