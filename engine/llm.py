@@ -52,6 +52,7 @@ class Round:
     """What one LLM.step did."""
     finished: list[Sequence]   # sequences that finished in it (retired)
     depth: int = 0             # levels its decoding round drafted (0: a plain decode step, or none)
+    from_context: int = 0      # of its sequences, those whose drafts were read from the context (lookup)
     lengths: list[int] = field(default_factory=list)  # tokens each decoded sequence kept (none: no decoding)
     decode_s: float = 0.0      # the decoding round's seconds
     prefilled: int = 0         # prompt tokens it prefilled
@@ -211,7 +212,7 @@ class LLM:
             stats.decode_s += done.decode_s
             stats.prefill_s += seconds - done.decode_s
             stats.steps += 1
-            done.depth = verdict.depth
+            done.depth, done.from_context = verdict.depth, verdict.from_context
             done.lengths = self._commit(batch, verdict, stats, on_tokens)
             if chunk:
                 self._prefilled(chunk, verdict.prefill, stats, on_tokens)

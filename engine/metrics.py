@@ -47,6 +47,8 @@ class Metrics:
         self.plain_rounds = Counter("eagle_spec_plain_rounds", "Sequence-rounds that drafted nothing",
                                     ["method"], registry=r)
         self.accepted = Counter("eagle_spec_accepted_tokens", "Draft tokens accepted", ["method"], registry=r)
+        self.lookups = Counter("eagle_spec_lookup_rounds", "Sequence-rounds whose drafts were read from the "
+                               "context (prompt lookup) instead of drafted", ["method"], registry=r)
         self.accept_length = Histogram("eagle_spec_acceptance_length", "Tokens a sequence gained per "
                                        "speculative round (accepted drafts + 1)", ["method"], registry=r,
                                        buckets=LENGTH_BUCKETS)
@@ -78,10 +80,13 @@ class Metrics:
         for _ in range(n):
             self.itl.observe((now - last_emit) / n)
 
-    def round(self, method: str, depth: int, gained: list[int], seconds: float):
-        """A decoding round that drafted `depth` deep; gained[b]: tokens sequence b kept."""
+    def round(self, method: str, depth: int, gained: list[int], seconds: float, from_context: int = 0):
+        """A decoding round that drafted `depth` deep; gained[b]: tokens sequence b kept; from_context of the
+        sequences verified drafts read from the context."""
         self.round_seconds.labels(method).observe(seconds)
         self.depth.labels(method).observe(depth)
+        if from_context:
+            self.lookups.labels(method).inc(from_context)
         if depth == 0:
             self.plain_rounds.labels(method).inc(len(gained))
             return

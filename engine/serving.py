@@ -182,7 +182,7 @@ class AsyncEngine:
     def _round(self):
         done = self.llm.step(self.stats, lambda seq, kept: self._on_tokens(seq))
         if done.lengths:
-            self.metrics.round(self.method, done.depth, done.lengths, done.decode_s)
+            self.metrics.round(self.method, done.depth, done.lengths, done.decode_s, done.from_context)
         for seq in done.finished:
             req = self.active.get(seq.seq_id)
             if req is not None:

@@ -389,6 +389,11 @@ def test_metrics_report_load_latency_and_speculation(server):
     if spec:   # the adaptive policy speculated: acceptance metrics must be consistent
         assert 1 <= server.metric('eagle_spec_mean_acceptance_length{method="auto"}')
         assert 'eagle_spec_acceptance_rate{method="auto",position="1"}' in text
+    # a reply that repeats a list: its rounds verify what followed the list's earlier occurrence (lookup: on by
+    # default on a CPU, off on a GPU)
+    chat(server, "Repeat this list exactly three times: red apple, green pear, yellow banana, blue plum.", max_tokens=48)
+    lookups = server.metric('eagle_spec_lookup_rounds_total{method="auto"}')
+    assert (lookups > 0) == bool(getattr(server.engine.llm.decoder, "lookup", 0)), lookups
 
 
 def test_a_full_queue_answers_503_and_loses_nothing():
