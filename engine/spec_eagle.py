@@ -322,7 +322,7 @@ class EagleDecoder(SpeculativeDecoder):
         """The round's chains read from the context (engine.lookup) where a sequence's last n tokens recur: as
         many tokens as the head would draft (the round's shape, which the policy chose by its cost), up to MOST
         while a sequence copies. Where every sequence that may draft has a match, no head runs; in a round that
-        drafts, the head drafts the sequences without one (their companions' caps 0). A round the policy keeps
+        drafts, the head drafts the sequences without one (the matched ones' caps 0). A round the policy keeps
         plain looks up only where every sequence matches (its rows are what the policy judged not worth
         drafting): one token each, growing while copied only as far as the batch's extra rows stay within
         MOST. None where nothing is looked up. The head reads the accepted pairs in its next drafting round."""
@@ -335,7 +335,7 @@ class EagleDecoder(SpeculativeDecoder):
         if not found or partial and not depth:
             return None
         drafted = self.draft(seqs, depth, [0 if c else cap for c, cap in zip(chains, caps)]) if partial else None
-        N = max(max(map(len, chains)), drafted.tree.num_nodes - 1 if drafted else 0)
+        N = max(max(map(len, chains)), 0 if drafted is None else drafted.tree.num_nodes - 1)
         rows = [b for b, c in enumerate(chains) if c or drafted is None]  # a root alone where nothing is drafted
         tokens = self.runner.to_device([t for b in rows for t in [seqs[b].last_id] + chains[b]
                                         + [0] * (N - len(chains[b]))]).view(len(rows), N + 1)
