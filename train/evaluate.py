@@ -7,11 +7,13 @@
   equals vanilla's (it must);
 - n-alpha: chain-draft acceptance with n self-predicted inputs (EAGLE's n-alpha) on the target's own
   greedy replies, teacher-forced, with target features from the engine's forward;
-- where the caller passes them, the MT-bench-style prompts (train.data.MT_BENCH_STYLE: issue 23 item 3's set):
-  the chain's tau on them and n-alpha on their greedy replies ("mt_bench_style").
+- where the caller passes them, MT-bench-style prompts (issue 23 item 3's set: the pipeline passes the ten of
+  train.data.MT_BENCH_STYLE, --heads all eighty of train.data.mt_bench_style()): the chain's tau on them and
+  n-alpha on their greedy replies ("mt_bench_style").
 
     python -m train.evaluate --compare runs/e1 runs/e3 --png runs/e1_vs_e3.png   # n-alpha by step, one plot
     python -m train.evaluate --heads engine/heads/smollm2-135m-eagle3 runs/new/train/head [--prompts 20]
+        [--mt-prompts 80]
         # heads side by side on the served target (this machine, default weights): held-out ShareGPT and the
         # MT-bench-style prompts, the chain of 3 and the 3/2/6 tree
 """
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.heads import load_head
-from .data import Packer, Seq
+from .data import Packer, Seq, mt_bench_style
 from .features import TargetFeatures, TargetView
 from .ttt import n_alpha
 
@@ -82,8 +84,8 @@ def decode(llm, prompts: list[list[int]], max_new_tokens: int, method: str, meth
 def evaluate(llm, head_dir: str | Path, kind: str, prompts: list[list[int]], max_new_tokens: int,
              chain_depth: int, tree: tuple[int, int, int], alpha_steps: int, seq_len: int = 2048,
              progress: bool = False, mt_prompts: list[list[int]] = ()) -> dict:
-    """-> eval.json's content (see the module docstring); with `mt_prompts` (train.data.MT_BENCH_STYLE's, as
-    chat ids) also their n-alpha on the target's greedy replies ("mt_bench_style"). Leaves `llm` on vanilla
+    """-> eval.json's content (see the module docstring); with `mt_prompts` (MT-bench-style prompts as chat
+    ids) also their n-alpha on the target's greedy replies ("mt_bench_style"). Leaves `llm` on vanilla
     decoding."""
     if not prompts:
         raise ValueError("no held-out prompt to evaluate on (all longer than --max-prompt?)")
@@ -151,16 +153,16 @@ def plot(evals: dict[str, dict], png: str | Path):
     plt.close(fig)
 
 
-def evaluate_heads(heads: list[str], n_prompts: int, tokens: int, max_prompt: int = 1024) -> dict[str, dict]:
+def evaluate_heads(heads: list[str], n_prompts: int, tokens: int, max_prompt: int = 1024,
+                   mt_prompts: int = 80) -> dict[str, dict]:
     """Each head directory evaluated on the target as served here (the default model and weights, one LLM for
-    all, so their numbers compare): evaluate() on `n_prompts` held-out ShareGPT prompts and on the
-    MT-bench-style ones, a chain of 3 and the 3/2/6 tree. -> {head: eval dict}."""
+    all, so their numbers compare): evaluate() on `n_prompts` held-out ShareGPT prompts and on the first
+    `mt_prompts` MT-bench-style ones, a chain of 3 and the 3/2/6 tree. -> {head: eval dict}."""
     from engine.llm import LLM
-    from .data import MT_BENCH_STYLE
     from .pipeline import heldout_ids
     llm = LLM()
     prompts = heldout_ids(llm, n_prompts, max_prompt)
-    mt = [llm.chat_ids(p) for p in MT_BENCH_STYLE]
+    mt = [llm.chat_ids(p) for p in mt_bench_style(mt_prompts)]
     return {h: evaluate(llm, h, "eagle3", prompts, tokens, 3, (3, 2, 6), 4, mt_prompts=mt) for h in heads}
 
 
@@ -172,17 +174,21 @@ def main(argv=None) -> int:
     p.add_argument("--png")
     p.add_argument("--heads", nargs="+", metavar="DIR", help="EAGLE-3 head directories to evaluate here")
     p.add_argument("--prompts", type=int, default=20, help="held-out ShareGPT prompts (--heads)")
+    p.add_argument("--mt-prompts", type=int, default=80,
+                   help="MT-bench-style prompts (--heads): the first N of train.data.mt_bench_style()'s 80")
     p.add_argument("--tokens", type=int, default=128, help="greedy tokens a prompt (--heads)")
     p.add_argument("--json", help="--heads: write every evaluation here")
     args = p.parse_args(argv)
     if bool(args.compare) == bool(args.heads) or (args.compare and not args.png):
         p.error("give either --compare RUN ... --png PNG, or --heads DIR ...")
+    if not 1 <= args.mt_prompts <= len(mt_bench_style()):
+        p.error(f"--mt-prompts must be 1..{len(mt_bench_style())}, got {args.mt_prompts}")
     if args.heads:
         missing = [h for h in args.heads if not (Path(h) / "config.json").exists()]
         if missing:
             print(f"error: no head (config.json) in {', '.join(missing)}", file=sys.stderr)
             return 2
-        evals = evaluate_heads(args.heads, args.prompts, args.tokens)
+        evals = evaluate_heads(args.heads, args.prompts, args.tokens, mt_prompts=args.mt_prompts)
         for head, e in evals.items():
             mt = e["mt_bench_style"]
             print(json.dumps({"head": head, "sharegpt": {"n_alpha": e["n_alpha"], "chain_tau": e["chain"]["tau"],
