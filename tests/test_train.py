@@ -1,5 +1,6 @@
 """Trainer: TTT attention vs a naive chain-draft loop, loss decrease on a tiny target, exact resume, time
 budgets; the pipeline end to end on the real target, killed and resumed; its CLI."""
+import collections
 import json
 import os
 import signal
@@ -328,6 +329,8 @@ def test_pipeline_killed_and_resumed_ends_with_an_evaluated_official_head(eagle3
     assert e["n_alpha_counts"][0] > 0 and e["train"]["steps"] == killed_at + 3
     mt = e["mt_bench_style"]  # the second held-out set: the MT-bench-style prompts' greedy replies
     assert mt["prompts"] == len(data.MT_BENCH_STYLE) and len(mt["n_alpha"]) == 3
+    assert list(mt["first_step_by_category"]) == list(dict.fromkeys(data.FIRST_TEN_CATEGORIES))
+    assert all(0 <= a <= 1 for a in mt["first_step_by_category"].values())
     assert all(0 <= a <= 1 for a in mt["n_alpha"]) and mt["n_alpha_counts"][0] > 0
     assert abs(mt["n_alpha_chain_accept_len"] - evaluate.chain_accept_length(mt["n_alpha"])) < 2e-3  # alpha rounded
     assert mt["chain"]["same_as_vanilla"] and mt["chain"]["tau"] >= 1 and mt["chain"]["rounds"] > 0
@@ -414,12 +417,14 @@ def test_pipeline_inconsistent_flags_fail_before_loading_anything(argv, message,
     assert not (tmp_path / "run").exists()
 
 
-def test_mt_bench_style_prompts_eighty_mixed_from_the_first_n():
+def test_mt_bench_style_prompts_eighty_ten_a_category_mixed_from_the_first_n():
     every = data.mt_bench_style()
-    assert len(every) == len(set(every)) == 80 and every[:10] == data.MT_BENCH_STYLE
-    assert sorted(map(len, data.MORE_MT_BENCH_STYLE.values())) == [8, 8] + [9] * 6  # ten a category with the ten
-    category = {p: c for c, ps in data.MORE_MT_BENCH_STYLE.items() for p in ps}
-    assert {category[p] for p in data.mt_bench_style(18)[10:]} == set(data.MORE_MT_BENCH_STYLE)  # any n mixes them
+    categories, texts = zip(*every)
+    assert len(set(texts)) == 80 and list(texts[:10]) == data.MT_BENCH_STYLE
+    assert set(collections.Counter(categories).values()) == {10}
+    assert set(categories) == set(data.MORE_MT_BENCH_STYLE)
+    assert set(categories[10:18]) == set(data.MORE_MT_BENCH_STYLE)  # any n mixes them
+    assert all(p in data.MORE_MT_BENCH_STYLE[c] for c, p in every[10:])
     assert data.mt_bench_style(12) == every[:12]
     for n in (0, 81):
         with pytest.raises(ValueError, match="there are 80 MT-bench-style prompts"):

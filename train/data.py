@@ -228,11 +228,15 @@ MORE_MT_BENCH_STYLE = {
 }
 
 
-def mt_bench_style(n: int = 80) -> list[str]:
-    """The first n of the eighty MT-bench-style prompts: MT_BENCH_STYLE's ten, then MORE_MT_BENCH_STYLE a
-    category at a time in turn (so that any n mixes the categories)."""
-    rounds = itertools.zip_longest(*MORE_MT_BENCH_STYLE.values())
-    every = MT_BENCH_STYLE + [p for r in rounds for p in r if p is not None]
+FIRST_TEN_CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
+                        "writing", "coding"]  # MT_BENCH_STYLE's, prompt by prompt
+
+
+def mt_bench_style(n: int = 80) -> list[tuple[str, str]]:
+    """The first n of the eighty MT-bench-style prompts as (category, prompt): MT_BENCH_STYLE's ten, then
+    MORE_MT_BENCH_STYLE a category at a time in turn (so that any n mixes the categories)."""
+    rounds = itertools.zip_longest(*([(c, p) for p in ps] for c, ps in MORE_MT_BENCH_STYLE.items()))
+    every = list(zip(FIRST_TEN_CATEGORIES, MT_BENCH_STYLE)) + [cp for r in rounds for cp in r if cp is not None]
     if not 1 <= n <= len(every):
         raise ValueError(f"there are {len(every)} MT-bench-style prompts, asked for {n}")
     return every[:n]

@@ -83,10 +83,10 @@ def decode(llm, prompts: list[list[int]], max_new_tokens: int, method: str, meth
 
 def evaluate(llm, head_dir: str | Path, kind: str, prompts: list[list[int]], max_new_tokens: int,
              chain_depth: int, tree: tuple[int, int, int], alpha_steps: int, seq_len: int = 2048,
-             progress: bool = False, mt_prompts: list[list[int]] = ()) -> dict:
+             progress: bool = False, mt_prompts: list[list[int]] = (), mt_categories: list[str] = ()) -> dict:
     """-> eval.json's content (see the module docstring); with `mt_prompts` (MT-bench-style prompts as chat
-    ids) also their n-alpha on the target's greedy replies ("mt_bench_style"). Leaves `llm` on vanilla
-    decoding."""
+    ids) also their n-alpha on the target's greedy replies ("mt_bench_style"), and with `mt_categories` (theirs,
+    prompt by prompt) its first step by category. Leaves `llm` on vanilla decoding."""
     if not prompts:
         raise ValueError("no held-out prompt to evaluate on (all longer than --max-prompt?)")
     head_dir = str(head_dir)
@@ -122,6 +122,13 @@ def evaluate(llm, head_dir: str | Path, kind: str, prompts: list[list[int]], max
             "prompts": len(mt_prompts), "n_alpha": [round(a, 4) for a in mt_alpha], "n_alpha_counts": mt_counts,
             "n_alpha_chain_accept_len": round(chain_accept_length(mt_alpha[:chain_depth]), 3),
             "chain": {k: mt_chain[k] for k in ("tau", "rounds", "accept_by_depth")} | {"same_as_vanilla": mt_outs == mt_ref}}
+        if mt_categories:
+            by = {}
+            for c, p, o in zip(mt_categories, mt_prompts, mt_ref):
+                if o:
+                    by.setdefault(c, []).append((p + o, len(p)))
+            extra["mt_bench_style"]["first_step_by_category"] = {
+                c: round(n_alpha_on(head, features, s, 1, seq_len)[0][0], 4) for c, s in by.items()}
     return {"kind": kind, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
             "n_alpha": [round(a, 4) for a in alpha], "n_alpha_counts": counts,
             "n_alpha_chain_accept_len": round(chain_accept_length(alpha[:chain_depth]), 3), **extra, **runs}
@@ -162,8 +169,10 @@ def evaluate_heads(heads: list[str], n_prompts: int, tokens: int, max_prompt: in
     from .pipeline import heldout_ids
     llm = LLM()
     prompts = heldout_ids(llm, n_prompts, max_prompt)
-    mt = [llm.chat_ids(p) for p in mt_bench_style(mt_prompts)]
-    return {h: evaluate(llm, h, "eagle3", prompts, tokens, 3, (3, 2, 6), 4, mt_prompts=mt) for h in heads}
+    categories, texts = zip(*mt_bench_style(mt_prompts))
+    mt = [llm.chat_ids(p) for p in texts]
+    return {h: evaluate(llm, h, "eagle3", prompts, tokens, 3, (3, 2, 6), 4, mt_prompts=mt, mt_categories=categories)
+            for h in heads}
 
 
 def main(argv=None) -> int:
@@ -193,7 +202,8 @@ def main(argv=None) -> int:
             mt = e["mt_bench_style"]
             print(json.dumps({"head": head, "sharegpt": {"n_alpha": e["n_alpha"], "chain_tau": e["chain"]["tau"],
                                                          "tree_tau": e["tree"]["tau"]},
-                              "mt_bench_style": {"n_alpha": mt["n_alpha"], "chain_tau": mt["chain"]["tau"]},
+                              "mt_bench_style": {"n_alpha": mt["n_alpha"], "chain_tau": mt["chain"]["tau"],
+                                                 "first_step_by_category": mt["first_step_by_category"]},
                               "same_as_vanilla": all(r["same_as_vanilla"] for r in (e["chain"], e["tree"], mt["chain"]))}))
         if args.json:
             Path(args.json).write_text(json.dumps(evals, indent=1) + "\n")

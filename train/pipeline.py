@@ -256,11 +256,12 @@ def run(args, llm=None) -> dict:
         return {}
     if "evaluate" not in state["done"]:
         prompts = heldout_ids(llm, args.eval_prompts, args.max_prompt, args.sharegpt)
+        mt_categories, mt_texts = zip(*data.mt_bench_style(len(data.MT_BENCH_STYLE)))  # the peers' ten
         t0 = time.monotonic()
         result = evaluate.evaluate(llm, out / "train" / "head", args.head, prompts, args.eval_tokens,
                                    args.chain_depth, args.tree or defaults(device).tree,
                                    args.alpha_steps, args.seq_len, progress=not args.quiet,
-                                   mt_prompts=[llm.chat_ids(p) for p in data.MT_BENCH_STYLE])
+                                   mt_prompts=[llm.chat_ids(p) for p in mt_texts], mt_categories=mt_categories)
         result.update(device=str(device), model=args.model, replies={
             "prompts": state.get("prompts"), "sequences": state["sequences"], "reply_tokens": state["reply_tokens"],
             "seconds": round(state["replies_s"], 1), "from": state["replies_from"]}, train={"steps": state.get("train_steps"),
