@@ -109,7 +109,8 @@ print("train:", {k: t.get(k) for k in ("steps", "seconds")}, "split (s):", (t.ge
 print("n-alpha:", e.get("n_alpha"), "chain tau:", e.get("chain", {}).get("tau"),
       "tree tau:", e.get("tree", {}).get("tau"))
 m = e.get("mt_bench_style", {})
-print("MT-bench-style n-alpha:", m.get("n_alpha"), "chain accept len:", m.get("n_alpha_chain_accept_len"))
+print("MT-bench-style n-alpha:", m.get("n_alpha"), "chain accept len:", m.get("n_alpha_chain_accept_len"),
+      "first step by category:", m.get("first_step_by_category"))
 EOF
 fi
 logs=$(cd "$OUT" && ls build.log bad_args.log train.log 2>/dev/null)  # one file: a call returns at most 8
