@@ -8,7 +8,7 @@
 # of whole parts, for gpu_train_stage.py --replies in later sessions).
 #
 #   bash benchmarks/gpu_train_run.sh      # env: TRAIN_MIN (default 5), DEVICE (cuda), SKIP_BUILD=1, SKIP_TESTS=1,
-#                                         # SOURCE (sharegpt: first turns; sharegpt-turns: later turns),
+#                                         # SOURCE (sharegpt: first turns; sharegpt-turns: later turns; topics: questions about the world),
 #                                         # SKIP_PROMPTS (default 0: of SOURCE's), REPLIES_SHARE (default 0.45),
 #                                         # TRAIN_ARGS (more train.pipeline flags, e.g. --num-prompts 0)
 #

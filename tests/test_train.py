@@ -3,6 +3,7 @@ budgets; the pipeline end to end on the real target, killed and resumed; its CLI
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import torch
 from engine.heads import load_head, new_head
 from head_refs import dense_forward
 from test_data import tiny_features, tiny_target
-from train import data, evaluate, pipeline
+from train import data, evaluate, pipeline, topics
 from train.pipeline import parser
 from train.trainer import PACE_STEPS, remap_draft_vocab, train
 from train.ttt import n_alpha, prefix_mask, shift, ttt_unroll, valid_at
@@ -429,6 +430,29 @@ def test_mt_bench_style_prompts_eighty_ten_a_category_mixed_from_the_first_n():
     for n in (0, 81):
         with pytest.raises(ValueError, match="there are 80 MT-bench-style prompts"):
             data.mt_bench_style(n)
+
+
+# The held-out MT-bench-style STEM and humanities prompts' subjects: no training topic may name one.
+MT_SUBJECTS = ["sky", "french", "vaccine", "immune", "weather", "climate", "plato", "aristotle", "photosynthesis",
+               "silk", "ice", "density", "renaissance", "battery", "democracy", "monarchy", "seasons",
+               "industrial", "virus", "bacterium", "primary", "refrigerator", "nile", "egypt", "dna", "demand",
+               "press", "fibonacci", "probability", "detective", "hash"]
+
+
+def test_topic_questions_are_distinct_mix_fields_and_name_no_held_out_subject():
+    every = topics.world_questions()
+    n_topics = sum(len(ts) for ts in topics.TOPICS.values())
+    assert len(every) == len(set(every)) == n_topics * len(topics.QUESTIONS)
+    assert topics.world_questions(40) == every[:40]
+    first = every[:len(topics.TOPICS)]  # the first round asks every field once
+    assert all(any(t in q for t in ts) for q, ts in zip(first, topics.TOPICS.values()))
+    assert len({q.split()[0] for q in every[:len(topics.QUESTIONS)]}) > 3  # and mixes the question forms
+    words = {w for ts in topics.TOPICS.values() for t in ts for w in re.findall(r"[a-z]+", t.lower())}
+    assert words.isdisjoint(MT_SUBJECTS), sorted(words & set(MT_SUBJECTS))
+    held_out = {p for _, p in data.mt_bench_style()}
+    assert held_out.isdisjoint(every)
+    assert data.source_prompts("topics", "train", 5, skip=3) == every[3:8]
+    assert parser().parse_args(["--out", "x", "--source", "topics"]).source == "topics"
 
 
 @pytest.mark.parametrize("n", ["0", "81"])

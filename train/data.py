@@ -267,9 +267,13 @@ def source_prompts(source: str, split: str, n: int, path: str | None = None,
                    skip: int = 0) -> list[str | list[dict]]:
     """`n` prompts of a source after its first `skip`: `sharegpt`, the first user turns of the ShareGPT
     conversations of `split` (path: see sharegpt_conversations); `sharegpt-turns`, their later user turns,
-    each with the conversation before it (messages, for the chat template; see later_turns); `humaneval`."""
+    each with the conversation before it (messages, for the chat template; see later_turns); `humaneval`;
+    `topics`, questions about the world (train.topics; the split does not apply: none is held out)."""
     if source == "humaneval":
         return humaneval_prompts(skip + n)[skip:]
+    if source == "topics":
+        from train.topics import world_questions
+        return world_questions(skip + n)[skip:]
     convs = sharegpt_conversations(split, path)
     if source == "sharegpt-turns":
         prompts = (turn for _, msgs in convs for turn in later_turns(msgs))

