@@ -460,3 +460,36 @@ def test_evaluate_heads_rejects_mt_prompts_out_of_range(n, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         evaluate.main(["--heads", str(tmp_path), "--mt-prompts", n])
     assert e.value.code == 2 and "--mt-prompts must be 1..80" in capsys.readouterr().err
+
+
+def test_accept_by_certainty_counts_what_n_alpha_counts_and_bins_by_the_targets_own_probability():
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "accept_by_certainty.py"
+    spec = importlib.util.spec_from_file_location("accept_by_certainty", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = tiny_target()
+    head = new_head("eagle3", model, draft_vocab_size=40).float()
+    features = tiny_features(model)
+    g = torch.Generator().manual_seed(3)
+    seqs = [(torch.randint(3, 64, (n,), generator=g).tolist(), n // 3) for n in (30, 22, 17)]
+    with torch.no_grad():
+        hit, p, known = bench.first_steps(features.llm, head, features, seqs)
+        hits, counts = n_alpha(head, features([seqs]), 1)
+    assert len(hit) == counts[0] and hit.sum() == hits[0]  # the same drafts, scored alike
+    assert ((p > 1 / 64) & (p <= 1)).all()
+    in_draft = set((torch.arange(40) + head.d2t).tolist())
+    starts = [sum(len(s) for s, _ in seqs[:i]) for i in range(len(seqs))]
+    scored = [a + t for a, (s, n) in zip(starts, seqs) for t in range(n - 2, len(s) - 2)]  # x_{t+2} replies
+    assert len(scored) == len(hit)
+    feature = features([seqs])["feature"][0]
+    wants = [int(model.logits(feature[t + 1]).argmax()) for t in scored]  # the target's top-1 for x_{t+2}
+    certain = model.logits(feature[[t + 1 for t in scored]]).softmax(-1).amax(-1)
+    torch.testing.assert_close(p.sort().values, certain.sort().values)  # the Packer orders them its own way
+    assert known.sum() == sum(w in in_draft for w in wants)
+    assert not known.all() and known.any()  # 40 of 64 ids: both kinds occur
+    t = bench.table(torch.tensor([1.0, 0, 1, 1]), torch.tensor([0.1, 0.2, 0.95, 0.6]),
+                    torch.tensor([True, False, True, True]))
+    assert t["bins"]["0.0-0.3"] == {"share": 0.5, "accept": 0.5, "in_vocab": 0.5, "accept_in_vocab": 1.0}
+    assert t["bins"]["0.3-0.5"]["accept"] is None and t["bins"]["0.9-1.0"]["accept"] == 1.0
+    assert t["accept"] == 0.75 and t["in_vocab"] == 0.75 and t["accept_in_vocab"] == 1.0
