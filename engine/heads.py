@@ -332,12 +332,14 @@ def head_config(target_cfg: LlamaConfig, **overrides) -> LlamaConfig:
     return replace(target_cfg, num_layers=1, **overrides)
 
 
-def new_head(kind: str, target: Llama, **kwargs) -> DraftHead:
-    """A randomly initialised head of `kind` ("eagle" / "eagle3") for `target` (training, tests)."""
+def new_head(kind: str, target: Llama, intermediate_size: int | None = None, **kwargs) -> DraftHead:
+    """A randomly initialised head of `kind` ("eagle" / "eagle3") for `target` (training, tests); its MLP as wide
+    as the target's unless `intermediate_size` says otherwise."""
     if kind not in HEADS:
         raise ValueError(f"head kind must be one of {', '.join(HEADS)}, got {kind!r}")
     weight = next(target.parameters())  # the target's device and compute dtype (norms stay dense)
-    return HEADS[kind](head_config(target.cfg), target, **kwargs).to(weight.device, weight.dtype).eval()
+    cfg = head_config(target.cfg, **({"intermediate_size": intermediate_size} if intermediate_size else {}))
+    return HEADS[kind](cfg, target, **kwargs).to(weight.device, weight.dtype).eval()
 
 
 def detect_kind(names) -> str:

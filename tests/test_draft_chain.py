@@ -10,6 +10,7 @@ import torch
 
 import eagle_kernels
 import engine.spec_eagle
+from engine.heads import new_head
 from engine.llm import LLM
 from engine.scheduler import SamplingParams
 from engine.trees import Tree
@@ -76,6 +77,21 @@ def drafting(llm, args, fused: bool, monkeypatch):
 @pytest.mark.parametrize("args", [CHAIN, {**CHAIN, "min_prob": 0.03}, {**CHAIN, "adaptive": True}],
                          ids=["chain", "min_prob", "adaptive"])
 def test_one_call_drafts_what_the_head_drafts_op_by_op(llm, args, monkeypatch):
+    one_call_against_op_by_op(llm, args, monkeypatch)
+
+
+def test_a_head_with_a_wider_mlp_than_the_targets(llm, tmp_path, monkeypatch):
+    """A head whose MLP is wider than the target's (`train.pipeline --grow-mlp`) drafts through the one call as
+    op by op."""
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        head = new_head("eagle3", llm.model, intermediate_size=3 * llm.cfg.intermediate_size)
+    head.save(tmp_path / "wide")
+    one_call_against_op_by_op(llm, {**CHAIN, "head": str(tmp_path / "wide")}, monkeypatch)
+    assert llm.decoder.head.layer.mlp.down_proj.in_features == 3 * llm.cfg.intermediate_size
+
+
+def one_call_against_op_by_op(llm, args, monkeypatch):
     greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
     sampled = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.8, top_k=20, seed=3)
     mixed = [greedy, sampled, SamplingParams(1.2, max_new_tokens=12, ignore_eos=True, seed=4), sampled]

@@ -214,6 +214,43 @@ def test_init_continues_from_an_exported_head(tmp_path):
                            "--init", str(tmp_path / "a" / "head")), model, seqs)
 
 
+def test_grow_mlp_computes_what_the_head_did_and_trains_only_the_new_units(tmp_path):
+    """--grow-mlp N: the widened head drafts exactly what the trained one did until it trains; then only the new
+    units move (the trained units' gate / up rows and down columns, and every other weight, as exported before)."""
+    from train.trainer import grow_mlp
+    from train.ttt import head_input
+    model, seqs = peaked_target(), tiny_seqs()
+    run_train(args_for(tmp_path / "a", "--steps", "40", "--save-every", "100"), model, seqs)
+    a = load_head(tmp_path / "a" / "head", model).float()
+    batch = tiny_features(model, model.cfg.eagle3_layers)([seqs[:2]])
+    outs = lambda head: [o for _, o, _, _ in ttt_unroll(head, batch, head_input(head, batch), 3)]  # noqa: E731
+    with torch.no_grad():
+        before = outs(a)
+        grow_mlp(a, 160)
+        after = outs(a)
+    assert all(torch.allclose(x, y, atol=1e-6, rtol=0) for x, y in zip(before, after))
+    assert [n for n, p in a.named_parameters() if p.requires_grad] == [
+        "midlayer.mlp.gate_up_proj.weight", "midlayer.mlp.down_proj.weight"]
+    run_train(args_for(tmp_path / "b", "--steps", "20", "--save-every", "100", "--init", str(tmp_path / "a" / "head"),
+                       "--grow-mlp", "160"), model, seqs)
+    old, new = load_head(tmp_path / "a" / "head", model), load_head(tmp_path / "b" / "head", model)
+    assert json.loads((tmp_path / "b" / "head" / "config.json").read_text())["intermediate_size"] == 160
+    I = old.cfg.intermediate_size
+    for (name, t_old), t_new in zip(old.state_dict().items(), new.state_dict().values()):
+        if name.endswith("gate_up_proj.weight"):
+            assert torch.equal(t_new[:I], t_old[:I]) and torch.equal(t_new[160:160 + I], t_old[I:]), name
+        elif name.endswith("down_proj.weight"):
+            assert torch.equal(t_new[:, :I], t_old) and t_new[:, I:].abs().sum() > 0, name  # the new units learned
+        else:
+            assert torch.equal(t_new, t_old), name
+    for extra, message in ((["--grow-mlp", "160"], "--grow-mlp widens a trained head"),
+                           (["--init", str(tmp_path / "a" / "head"), "--grow-mlp", "160", "--weight-decay", "0.1"],
+                            "give --weight-decay 0"),
+                           (["--init", str(tmp_path / "a" / "head"), "--grow-mlp", str(I)], "already has")):
+        with pytest.raises(ValueError, match=message):
+            run_train(args_for(tmp_path / "c", "--steps", "1", *extra), model, seqs)
+
+
 def test_remap_draft_vocab_keeps_rows_and_fits_new_ones():
     model = tiny_target()  # H = 32: 48 kept-or-dropped rows determine the map A
     head = new_head("eagle3", model, draft_vocab_size=48).float()
@@ -409,6 +446,7 @@ def test_pipeline_bad_flags_are_one_line_and_exit_2(argv, message, tmp_path, cap
 @pytest.mark.parametrize("argv, message", [
     (["--init", "no-such-head"], "--init no-such-head: no config.json there"),
     (["--rebuild-vocab"], "--rebuild-vocab moves a trained EAGLE-3 head"),
+    (["--grow-mlp", "3072"], "--grow-mlp widens a trained head's MLP (--init)"),
     (["--replies-from", "no-such-dir"], "--replies-from no-such-dir: no reply parts (part_*.safetensors) there"),
 ])
 def test_pipeline_inconsistent_flags_fail_before_loading_anything(argv, message, tmp_path, capsys):

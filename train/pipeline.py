@@ -134,6 +134,8 @@ def parser() -> Parser:
     g.add_argument("--stop-after", type=count, default=0, help="stop (with a checkpoint) after this many "
                    "steps of this invocation: training in pieces")
     g.add_argument("--init", help="start from this exported head instead of a fresh one")
+    g.add_argument("--grow-mlp", type=count, default=0, metavar="N", help="with --init: widen its MLP to N units "
+                   "and train only the new ones (the rest kept as trained; give --weight-decay 0)")
     g.add_argument("--rebuild-vocab", action="store_true", help="with --init: re-pick its draft vocabulary "
                    "from the replies, keeping the trained rows of tokens that stay")
     g = p.add_argument_group("evaluation")

@@ -19,11 +19,13 @@ import math
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from engine.heads import DraftHead, load_head, new_head
+from engine.model import MLP, Linear
 from . import distributed
 from .data import Packer, Seq, build_draft_vocab, reply_counts, reply_dirs_error
 from .features import TargetFeatures, TargetView
@@ -37,6 +39,12 @@ def check_args(args):
     if args.rebuild_vocab and not (args.init and args.head == "eagle3"):
         raise ValueError("--rebuild-vocab moves a trained EAGLE-3 head (--init) to a new draft vocabulary; "
                          "a fresh head builds its vocabulary from the replies anyway")
+    if getattr(args, "grow_mlp", 0) and not args.init:
+        raise ValueError("--grow-mlp widens a trained head's MLP (--init); a fresh head takes its width from the "
+                         "target")
+    if getattr(args, "grow_mlp", 0) and args.weight_decay:
+        raise ValueError("--grow-mlp keeps the trained weights as they are: give --weight-decay 0 (decay would move "
+                         "them)")
     if args.init and not (Path(args.init) / "config.json").exists():
         raise ValueError(f"--init {args.init}: no config.json there (expected an exported head directory)")
     err = reply_dirs_error(getattr(args, "replies_from", []))
@@ -111,6 +119,8 @@ def make_head(args, view: TargetView, counts: torch.Tensor) -> DraftHead:
                              f"--draft-vocab says {args.draft_vocab}")
         if args.rebuild_vocab:
             remap_draft_vocab(head, view, *build_draft_vocab(counts, head.lm_head.out_features, V))
+        if getattr(args, "grow_mlp", 0):
+            grow_mlp(head, args.grow_mlp)
         return head
     if args.head == "eagle":
         return new_head("eagle", view).float().train()
@@ -119,6 +129,35 @@ def make_head(args, view: TargetView, counts: torch.Tensor) -> DraftHead:
     head.d2t.copy_(d2t)
     head.t2d.copy_(t2d)
     return head
+
+
+@torch.no_grad()
+def grow_mlp(head: DraftHead, width: int):
+    """Widen the head's MLP to `width` units and train only the new ones: their gate and up rows start as a
+    fresh linear's, their down columns at zero, so the widened head computes what the trained one did (the MLP
+    is a sum over its units); every other weight, the trained units' included, keeps its value (gradients off,
+    or masked to the new slices: with weight decay 0 AdamW then leaves those slices as they are)."""
+    mlp, old = head.layer.mlp, head.cfg.intermediate_size
+    if width <= old:
+        raise ValueError(f"--grow-mlp {width}: the head's MLP already has {old} units")
+    H, dev = head.cfg.hidden_size, mlp.down_proj.weight.device
+    fresh = Linear(H, 2 * width, bias=False).to(dev)  # [gate; up] rows, as MLP lays them out
+    gate_up, down = fresh.weight.data, torch.zeros(H, width, device=dev)
+    gate_up[:old], gate_up[width:width + old] = mlp.gate_up_proj.weight[:old], mlp.gate_up_proj.weight[old:]
+    down[:, :old] = mlp.down_proj.weight
+    head.cfg = replace(head.cfg, intermediate_size=width)
+    head.layer.mlp = MLP(head.cfg).to(dev)
+    head.layer.mlp.gate_up_proj.weight.data.copy_(gate_up)
+    head.layer.mlp.down_proj.weight.data.copy_(down)
+    for p in head.parameters():
+        p.requires_grad_(False)
+    keep_rows = torch.ones(2 * width, 1, device=dev)
+    keep_rows[:old], keep_rows[width:width + old] = 0, 0
+    keep_cols = torch.ones(1, width, device=dev)
+    keep_cols[:, :old] = 0
+    for lin, keep in ((head.layer.mlp.gate_up_proj, keep_rows), (head.layer.mlp.down_proj, keep_cols)):
+        lin.weight.requires_grad_(True)
+        lin.weight.register_hook(lambda g, keep=keep: g * keep)
 
 
 @torch.no_grad()
@@ -171,8 +210,8 @@ def save_checkpoint(out: Path, head: DraftHead, opt, state: dict, target):
 def export_head(head: DraftHead, target, path: Path, dtype: str):
     """A copy of the head in `dtype`, saved in the official format; EAGLE-3 configs get the official
     architecture name and an untied draft LM head, which public engines read."""
-    copy = new_head(head.kind, target, **({"draft_vocab_size": head.lm_head.out_features}
-                                          if head.kind == "eagle3" else {}))
+    copy = new_head(head.kind, target, head.cfg.intermediate_size,
+                    **({"draft_vocab_size": head.lm_head.out_features} if head.kind == "eagle3" else {}))
     copy.load_state_dict(head.state_dict())
     copy.to({"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]).save(path)
     cfg = json.loads((path / "config.json").read_text())
